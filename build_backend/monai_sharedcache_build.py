@@ -1,0 +1,573 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+In-tree PEP 517 build backend of the MONAI shared-cache fork (standard library only).
+
+The repository holds only our own work: new modules under ``monai/`` (the overlay) and unified diffs of upstream
+files under ``patches/``. This backend lays the pinned upstream release wheel, the overlay and the patches together
+into one complete ``monai`` wheel whose version is ``<upstream>+sharedcache.<N>``.
+
+It is also a small developer CLI (``python build_backend/monai_sharedcache_build.py -h``): lay the patched tree out,
+regenerate a patch from an edited file (quilt-style), and export one git-format patch against upstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import difflib
+import gzip
+import hashlib
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pins. Bump FORK_BUILD whenever the built code changes: pip does not reinstall a version it already has.
+UPSTREAM_VERSION = "1.6.1"
+UPSTREAM_WHEEL = f"monai-{UPSTREAM_VERSION}-py3-none-any.whl"
+UPSTREAM_SHA256 = "dbd3b1dd309e752e0477ed73fde03b92f80ac74bfb8a8c4260f018b5d6ab2b0b"
+FORK_BUILD = 1
+VERSION = f"{UPSTREAM_VERSION}+sharedcache.{FORK_BUILD}"
+
+ROOT = Path(__file__).resolve().parent.parent
+OVERLAY = "monai"
+PATCHES = "patches"
+CONFIG_KEY = "upstream-wheel"  # pip install . --config-settings upstream-wheel=/path/to/monai-1.6.1-py3-none-any.whl
+ENV_WHEEL = "MONAI_UPSTREAM_WHEEL"
+ENV_CACHE = "MONAI_SHAREDCACHE_CACHE_DIR"
+SDIST_MEMBERS = ("pyproject.toml", "README.md", "CHANGELOG.md", "build_backend", OVERLAY, PATCHES)
+# 2026-01-01T00:00:00Z, used for every archive member unless SOURCE_DATE_EPOCH says otherwise
+DEFAULT_EPOCH = 1767225600
+
+
+class BuildError(RuntimeError):
+    """A build step failed; the message says which input is at fault and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The pinned upstream wheel
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verified(path: Path, origin: str) -> Path:
+    if not path.is_file():
+        raise BuildError(f"upstream wheel from {origin} does not exist: {path}")
+    digest = _sha256(path)
+    if digest != UPSTREAM_SHA256:
+        raise BuildError(
+            f"sha256 mismatch for the upstream wheel from {origin}: {path}\n"
+            f"  expected {UPSTREAM_SHA256} (pinned {UPSTREAM_WHEEL})\n  got      {digest}\n"
+            "Refusing to build from an unverified upstream. Remove or replace the file."
+        )
+    return path
+
+
+def cache_dir() -> Path:
+    """The local cache of downloaded upstream wheels."""
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "monai-sharedcache"
+
+
+def _pip_download(dest: Path) -> Path:
+    """Download the pinned wheel with pip, hash-checked; works inside pip's isolated build environment too."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+    with tempfile.TemporaryDirectory() as tmp:
+        req = Path(tmp) / "upstream.txt"
+        # `===` matches the release only; a plain `==` would also match our own local version 1.6.1+sharedcache.N
+        req.write_text(f"monai==={UPSTREAM_VERSION} --hash=sha256:{UPSTREAM_SHA256}\n")
+        args = ["-m", "pip", "download", "--no-deps", "--require-hashes", "--only-binary=:all:"]
+        args += ["--disable-pip-version-check", "-q", "-d", tmp, "-r", str(req)]
+        pythons = [sys.executable, getattr(sys, "_base_executable", sys.executable)]
+        errors = []
+        for python in dict.fromkeys(pythons):
+            proc = subprocess.run([python, *args], env=env, capture_output=True, text=True)
+            got = Path(tmp) / UPSTREAM_WHEEL
+            if proc.returncode == 0 and got.is_file():
+                dest.mkdir(parents=True, exist_ok=True)
+                part = dest / f".{UPSTREAM_WHEEL}.{os.getpid()}.part"
+                shutil.copyfile(got, part)
+                os.replace(part, dest / UPSTREAM_WHEEL)
+                return dest / UPSTREAM_WHEEL
+            errors.append(f"{python} -m pip download: exit {proc.returncode}\n{proc.stderr.strip()[-2000:]}")
+    raise BuildError(
+        f"could not download {UPSTREAM_WHEEL} from the package index.\n"
+        + "\n".join(errors)
+        + f"\nOffline? Pass the wheel with --config-settings {CONFIG_KEY}=PATH or the {ENV_WHEEL} environment variable."
+    )
+
+
+def find_upstream_wheel(config_settings: dict | None = None) -> Path:
+    """
+    Locate the pinned upstream wheel and verify its sha256.
+
+    Order: the ``upstream-wheel`` config setting, the ``MONAI_UPSTREAM_WHEEL`` environment variable, the local cache,
+    then ``pip download``. A file that does not match the pinned sha256 is a hard error wherever it came from.
+    """
+    value = (config_settings or {}).get(CONFIG_KEY)
+    if value:
+        return _verified(Path(str(value)), f"--config-settings {CONFIG_KEY}")
+    if os.environ.get(ENV_WHEEL):
+        return _verified(Path(os.environ[ENV_WHEEL]), f"${ENV_WHEEL}")
+    cached = cache_dir() / UPSTREAM_WHEEL
+    if cached.is_file():
+        return _verified(cached, f"the local cache {cache_dir()}")
+    return _verified(_pip_download(cache_dir()), "pip download")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A strict unified-diff applier: every context and removed line must match exactly where the hunk says.
+
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+class FilePatch:
+    """The hunks of one file in a unified diff."""
+
+    def __init__(self, old: str, new: str) -> None:
+        self.old, self.new = old, new
+        self.hunks: list[tuple[int, list[str], list[str]]] = []  # (old start, old lines, new lines)
+
+    @property
+    def path(self) -> str:
+        name = self.new if self.new != "/dev/null" else self.old
+        return name[2:] if name[:2] in ("a/", "b/") else name
+
+
+def _strip_name(line: str) -> str:
+    return line[4:].split("\t")[0].strip()
+
+
+def parse_patch(text: str, patch_name: str) -> list[FilePatch]:
+    """Parse a unified diff (git or plain) into file patches."""
+    files: list[FilePatch] = []
+    lines = text.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            files.append(FilePatch(_strip_name(line), _strip_name(lines[i + 1])))
+            i += 2
+            continue
+        m = _HUNK.match(line)
+        if m:
+            if not files:
+                raise BuildError(f"{patch_name}: hunk before any file header at line {i + 1}")
+            n_old = int(m.group(2) if m.group(2) is not None else 1)
+            n_new = int(m.group(4) if m.group(4) is not None else 1)
+            old_lines: list[str] = []
+            new_lines: list[str] = []
+            prev_tag = " "
+            i += 1
+            while i < len(lines) and (
+                len(old_lines) < n_old or len(new_lines) < n_new or lines[i].startswith("\\")
+            ):
+                body = lines[i]
+                tag, content = body[:1], body[1:]
+                if tag == "\\":  # "\ No newline at end of file": the previous line has no newline
+                    for side, kept in ((old_lines, prev_tag != "+"), (new_lines, prev_tag != "-")):
+                        if kept and side:
+                            side[-1] = side[-1].rstrip("\n")
+                elif tag in (" ", "\n"):
+                    content = content if tag == " " else "\n"
+                    old_lines.append(content)
+                    new_lines.append(content)
+                elif tag == "-":
+                    old_lines.append(content)
+                elif tag == "+":
+                    new_lines.append(content)
+                else:
+                    raise BuildError(f"{patch_name}: malformed hunk line {i + 1}: {body!r}")
+                prev_tag = tag if tag in "+-" else prev_tag if tag == "\\" else " "
+                i += 1
+            if len(old_lines) != n_old or len(new_lines) != n_new:
+                raise BuildError(f"{patch_name}: truncated hunk {line.strip()!r} for {files[-1].path}")
+            files[-1].hunks.append((int(m.group(1)), old_lines, new_lines))
+            continue
+        i += 1
+    if not files:
+        raise BuildError(f"{patch_name}: no file headers found; is it a unified diff?")
+    return files
+
+
+def apply_file_patch(fp: FilePatch, original: str | None, patch_name: str) -> str | None:
+    """Apply one file's hunks to ``original`` exactly (no fuzz, no offset); return the new text, None if deleted."""
+    src = [] if original is None else original.splitlines(keepends=True)
+    out: list[str] = []
+    pos = 0  # index into src of the next line not yet copied
+    for n, (start, old_lines, new_lines) in enumerate(fp.hunks, 1):
+        at = max(start - 1, 0) if old_lines else start  # a pure insertion hunk "-k,0" inserts after line k
+        if at < pos or src[at : at + len(old_lines)] != old_lines:
+            found = src[at : at + len(old_lines)]
+            first_bad = next((k for k, (a, b) in enumerate(zip(found, old_lines)) if a != b), len(found))
+            raise BuildError(
+                f"patch {patch_name} does not apply to {fp.path}: hunk #{n} (@@ -{start},{len(old_lines)} @@) "
+                f"expects at line {at + first_bad + 1}:\n  {old_lines[first_bad] if first_bad < len(old_lines) else '<end of file>'!r}\n"
+                f"but upstream has:\n  {found[first_bad] if first_bad < len(found) else '<end of file>'!r}\n"
+                "The upstream file has drifted; refresh the patch (see README: 'Editing an upstream file')."
+            )
+        out.extend(src[pos:at])
+        out.extend(new_lines)
+        pos = at + len(old_lines)
+    out.extend(src[pos:])
+    if fp.new == "/dev/null":
+        return None
+    return "".join(out)
+
+
+def patch_files(patches_dir: Path) -> list[Path]:
+    """The patch series, in the order it is applied."""
+    return sorted(p for p in patches_dir.glob("*.patch") if p.is_file())
+
+
+def apply_patch(tree: Path, patch: Path) -> list[str]:
+    """Apply ``patch`` to ``tree`` strictly; all files are checked before any is written. Returns the paths."""
+    results = {}
+    for fp in parse_patch(patch.read_text(encoding="utf-8"), patch.name):
+        target = tree / fp.path
+        original = target.read_text(encoding="utf-8") if fp.old != "/dev/null" else None
+        if original is None and target.exists():
+            raise BuildError(f"patch {patch.name} creates {fp.path}, which already exists upstream")
+        if fp.old != "/dev/null" and not target.is_file():
+            raise BuildError(f"patch {patch.name} changes {fp.path}, which is not in the upstream tree")
+        results[fp.path] = apply_file_patch(fp, original, patch.name)
+    for rel, text in results.items():
+        if text is None:
+            (tree / rel).unlink()
+        else:
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tree / rel).write_text(text, encoding="utf-8")
+    return list(results)
+
+
+def make_patch(path: str, before: str, after: str) -> str:
+    """A unified diff of one file, in the form ``apply_patch`` reads and ``git apply`` accepts."""
+    for name, text in (("original", before), ("edited", after)):
+        if text and not text.endswith("\n"):
+            raise BuildError(f"{path}: the {name} text must end with a newline")
+    diff = difflib.unified_diff(
+        before.splitlines(keepends=True), after.splitlines(keepends=True), f"a/{path}", f"b/{path}", n=3
+    )
+    return "".join(line if line.endswith("\n") else line + "\n" for line in diff)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Laying out the patched tree
+
+
+def _overlay_files(src_root: Path) -> list[Path]:
+    base = src_root / OVERLAY
+    if not base.is_dir():
+        return []
+    files = []
+    for p in sorted(base.rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"):
+            files.append(p.relative_to(src_root))
+    return files
+
+
+def unpack_upstream(wheel: Path, dest: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            if name.startswith("/") or ".." in Path(name).parts:
+                raise BuildError(f"unsafe path in the upstream wheel: {name}")
+        zf.extractall(dest)
+
+
+def set_version(tree: Path) -> None:
+    """Write the fork version into ``monai/_version.py`` and the METADATA of the dist-info."""
+    vfile = tree / "monai" / "_version.py"
+    text = vfile.read_text(encoding="utf-8")
+    old = f'"version": "{UPSTREAM_VERSION}"'
+    if text.count(old) != 1:
+        raise BuildError(f"monai/_version.py: expected exactly one {old!r}; upstream changed its version file")
+    vfile.write_text(text.replace(old, f'"version": "{VERSION}"'), encoding="utf-8")
+    old_info = tree / f"monai-{UPSTREAM_VERSION}.dist-info"
+    new_info = tree / f"monai-{VERSION}.dist-info"
+    if old_info.is_dir():
+        old_info.rename(new_info)
+    meta = new_info / "METADATA"
+    text = meta.read_text(encoding="utf-8")
+    if f"\nVersion: {UPSTREAM_VERSION}\n" not in text:
+        raise BuildError("METADATA: no 'Version:' line for the pinned upstream version")
+    meta.write_text(text.replace(f"\nVersion: {UPSTREAM_VERSION}\n", f"\nVersion: {VERSION}\n", 1), encoding="utf-8")
+    wheel_file = new_info / "WHEEL"
+    lines = [
+        "Generator: monai-sharedcache-build" if ln.startswith("Generator:") else ln
+        for ln in wheel_file.read_text(encoding="utf-8").splitlines()
+    ]
+    wheel_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (new_info / "RECORD").unlink(missing_ok=True)
+
+
+def input_digest(src_root: Path = ROOT) -> str:
+    """A digest of everything the built tree depends on; the developer loop rebuilds when it changes."""
+    h = hashlib.sha256(f"{VERSION}:{UPSTREAM_SHA256}".encode())
+    inputs = _overlay_files(src_root) + [p.relative_to(src_root) for p in patch_files(src_root / PATCHES)]
+    inputs.append(Path(__file__).resolve().relative_to(src_root.resolve()))
+    for rel in inputs:
+        h.update(str(rel).encode() + b"\0" + (src_root / rel).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def layout(dest: Path, config_settings: dict | None = None, src_root: Path = ROOT, wheel: Path | None = None) -> Path:
+    """
+    Lay upstream, the overlay and the patches out as a full package tree in ``dest`` (replaced if it exists).
+
+    Returns ``dest``, which holds ``monai/`` and ``monai-<version>.dist-info/`` (without RECORD).
+    """
+    wheel = wheel or find_upstream_wheel(config_settings)
+    dest = Path(dest)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        unpack_upstream(wheel, tmp)
+        for rel in _overlay_files(src_root):
+            target = tmp / rel
+            if target.exists():
+                raise BuildError(f"overlay file {rel} would replace an upstream file; change upstream with a patch")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src_root / rel, target)
+        for patch in patch_files(src_root / PATCHES):
+            apply_patch(tmp, patch)
+        set_version(tmp)
+        (tmp / ".stamp").write_text(input_digest(src_root) + "\n")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Archives
+
+
+def _epoch() -> int:
+    return int(os.environ.get("SOURCE_DATE_EPOCH", DEFAULT_EPOCH))
+
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def write_wheel(tree: Path, wheel_directory: Path) -> str:
+    """Zip a laid-out tree into a reproducible wheel with a correct RECORD; returns the file name."""
+    dist_info = f"monai-{VERSION}.dist-info"
+    files = sorted(
+        p.relative_to(tree).as_posix()
+        for p in tree.rglob("*")
+        if p.is_file() and p.name != ".stamp" and "__pycache__" not in p.parts
+    )
+    files = [f for f in files if not f.startswith(dist_info + "/")] + [f for f in files if f.startswith(dist_info)]
+    date_time = time.gmtime(max(_epoch(), 315532800))[:6]
+    name = f"monai-{VERSION}-py3-none-any.whl"
+    out = Path(wheel_directory) / name
+    record = io.StringIO()
+    writer = csv.writer(record, lineterminator="\n")
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+
+        def add(arcname: str, data: bytes) -> None:
+            info = zipfile.ZipInfo(arcname, date_time=date_time)  # type: ignore[arg-type]
+            info.external_attr = 0o644 << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            zf.writestr(info, data, compresslevel=9)
+
+        for rel in files:
+            data = (tree / rel).read_bytes()
+            writer.writerow([rel, _record_hash(data), len(data)])
+            add(rel, data)
+        writer.writerow([f"{dist_info}/RECORD", "", ""])
+        add(f"{dist_info}/RECORD", record.getvalue().encode())
+    return name
+
+
+def _tar_filter(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    if "__pycache__" in info.name.split("/") or info.name.endswith((".pyc", ".pyo")):
+        return None
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.mtime = _epoch()
+    info.mode = 0o755 if info.isdir() else 0o644
+    return info
+
+
+def pkg_info() -> str:
+    return (
+        "Metadata-Version: 2.1\nName: monai\n"
+        f"Version: {VERSION}\nSummary: MONAI {UPSTREAM_VERSION} with a shared, checked CacheDataset runtime cache\n"
+        "License: Apache-2.0\nRequires-Python: >=3.10\n"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# PEP 517 hooks
+
+
+def get_requires_for_build_wheel(config_settings: dict | None = None) -> list[str]:
+    return []
+
+
+def get_requires_for_build_sdist(config_settings: dict | None = None) -> list[str]:
+    return []
+
+
+def build_wheel(
+    wheel_directory: str, config_settings: dict | None = None, metadata_directory: str | None = None
+) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = layout(Path(tmp) / "tree", config_settings)
+        return write_wheel(tree, Path(wheel_directory))
+
+
+def build_sdist(sdist_directory: str, config_settings: dict | None = None) -> str:
+    base = f"monai-{VERSION}"
+    name = f"{base}.tar.gz"
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        members: list[Path] = []
+        for entry in SDIST_MEMBERS:
+            path = ROOT / entry
+            if path.is_dir():
+                members.extend(p for p in path.rglob("*") if p.is_file())
+            elif path.is_file():
+                members.append(path)
+        for p in sorted(members, key=lambda q: q.relative_to(ROOT).as_posix()):
+            tf.add(p, arcname=f"{base}/{p.relative_to(ROOT).as_posix()}", recursive=False, filter=_tar_filter)
+        data = pkg_info().encode()
+        info = _tar_filter(tarfile.TarInfo(f"{base}/PKG-INFO"))
+        assert info is not None
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    with open(Path(sdist_directory) / name, "wb") as f:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+            gz.write(raw.getvalue())
+    return name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Developer CLI
+
+
+def pristine(dest: Path, upto: Path | None = None, src_root: Path = ROOT) -> Path:
+    """Unpack upstream into ``dest`` and apply the patches that come before ``upto`` (none if ``upto`` is None)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    unpack_upstream(find_upstream_wheel(), dest)
+    if upto is not None:
+        for patch in patch_files(src_root / PATCHES):
+            if patch.name >= upto.name:
+                break
+            apply_patch(dest, patch)
+    return dest
+
+
+def refresh(patch: Path, tree: Path, files: list[str] | None = None, src_root: Path = ROOT) -> str:
+    """
+    Regenerate ``patch`` from the edited files in the laid-out ``tree`` (like ``quilt refresh``).
+
+    The new patch holds, for each file (those the patch already touches, plus ``files``), the diff between upstream
+    with the earlier patches applied and the file as it is now in ``tree``. A file that a later patch also touches is
+    refused, because its edit could not be told apart.
+    """
+    series = patch_files(src_root / PATCHES)
+    touched = [fp.path for fp in parse_patch(patch.read_text(), patch.name)] if patch.is_file() else []
+    wanted = list(dict.fromkeys(touched + list(files or [])))
+    if not wanted:
+        raise BuildError(f"{patch.name}: name the upstream files it should change")
+    later = [p for p in series if p.name > patch.name]
+    for p in later:
+        clash = set(wanted) & {fp.path for fp in parse_patch(p.read_text(), p.name)}
+        if clash:
+            raise BuildError(f"{sorted(clash)} also changed by the later patch {p.name}; refresh that one instead")
+    with tempfile.TemporaryDirectory() as tmp:
+        base = pristine(Path(tmp) / "base", upto=patch, src_root=src_root)
+        parts = []
+        for rel in wanted:
+            before = (base / rel).read_text(encoding="utf-8")
+            if rel == "monai/_version.py":
+                raise BuildError("monai/_version.py is written by the build; do not patch it")
+            after = (tree / rel).read_text(encoding="utf-8")
+            diff = make_patch(rel, before, after)
+            if diff:
+                parts.append(diff)
+    header = ""
+    if patch.is_file():
+        text = patch.read_text()
+        header = text[: text.find("--- ")] if "--- " in text else ""
+    patch.write_text(header + "".join(parts))
+    return patch.name
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="monai_sharedcache_build.py",
+        description=f"Build tools of the MONAI shared-cache fork ({VERSION} from upstream {UPSTREAM_WHEEL}).",
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("layout", help="lay the patched tree out (default: build/tree)")
+    p.add_argument("dest", nargs="?", default=str(ROOT / "build" / "tree"))
+    p.add_argument("--if-stale", action="store_true", help="only if the inputs changed since the last layout")
+    p = sub.add_parser("pristine", help="unpack upstream, optionally with the patches before PATCH applied")
+    p.add_argument("dest")
+    p.add_argument("--upto", help="a patch file name of the series")
+    p = sub.add_parser("refresh", help="regenerate a patch from the files edited in the laid-out tree")
+    p.add_argument("patch", help="patches/NNNN-name.patch (created if new)")
+    p.add_argument("files", nargs="*", help="upstream files (monai/...) to add to the patch")
+    p.add_argument("--tree", default=str(ROOT / "build" / "tree"))
+    sub.add_parser("wheel-path", help="print the verified upstream wheel path (downloads it if needed)")
+    sub.add_parser("version", help="print the fork version")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "layout":
+            dest = Path(args.dest)
+            stamp = dest / ".stamp"
+            if args.if_stale and stamp.is_file() and stamp.read_text().strip() == input_digest():
+                return 0
+            layout(dest)
+            print(f"laid out {VERSION} in {dest}")
+        elif args.cmd == "pristine":
+            pristine(Path(args.dest), Path(args.upto) if args.upto else None)
+            print(f"upstream {UPSTREAM_VERSION} in {args.dest}")
+        elif args.cmd == "refresh":
+            print("refreshed", refresh(Path(args.patch), Path(args.tree), args.files))
+        elif args.cmd == "wheel-path":
+            print(find_upstream_wheel())
+        elif args.cmd == "version":
+            print(VERSION)
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
