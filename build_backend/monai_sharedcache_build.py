@@ -527,6 +527,51 @@ def refresh(patch: Path, tree: Path, files: list[str] | None = None, src_root: P
     return patch.name
 
 
+FORK_ONLY_TESTS = "test_fork_"  # tests of the fork's own build, not exported upstream
+UPSTREAM_TEST_DIR = "tests/data"  # where MONAI keeps the tests of monai/data
+
+
+def export_patch(out: Path, src_root: Path = ROOT) -> Path:
+    """
+    Write one git-format patch against upstream: overlay files as new files, the patch series, and our tests at
+    MONAI's test paths. Needs ``git``. The result applies with ``git apply`` to an unpacked upstream wheel.
+    """
+    git = ["git", "-c", "user.name=MONAI shared-cache fork", "-c", "user.email=monai-sharedcache@users.noreply.invalid"]
+    git += ["-c", "commit.gpgsign=false", "-c", "core.autocrlf=false"]
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = pristine(Path(tmp) / "repo")
+        for info in repo.glob("monai-*.dist-info"):
+            shutil.rmtree(info)
+        env = {**os.environ, "GIT_AUTHOR_DATE": f"{_epoch()} +0000", "GIT_COMMITTER_DATE": f"{_epoch()} +0000"}
+        env.pop("GIT_DIR", None)
+        env.pop("GIT_INDEX_FILE", None)
+
+        def run(*args: str) -> str:
+            return subprocess.run([*git, *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout
+
+        run("init", "-q")
+        run("add", "-A")
+        run("commit", "-q", "-m", f"MONAI {UPSTREAM_VERSION}")
+        for rel in _overlay_files(src_root):
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src_root / rel, repo / rel)
+        for patch in patch_files(src_root / PATCHES):
+            apply_patch(repo, patch)
+        for test in sorted((src_root / "tests").glob("test_*.py")):
+            if not test.name.startswith(FORK_ONLY_TESTS):
+                dest = repo / UPSTREAM_TEST_DIR / test.name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(test, dest)
+        message = (src_root / "docs" / "PR_TITLE.txt").read_text().strip() if (src_root / "docs" / "PR_TITLE.txt").is_file() else (
+            "CacheDataset: checked, resynced, content-keyed runtime cache shared across workers and ranks"
+        )
+        run("add", "-A")
+        run("commit", "-q", "-m", message)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(run("format-patch", "-1", "--stdout", "--no-signature", "HEAD"))
+    return out
+
+
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="monai_sharedcache_build.py",
@@ -543,6 +588,8 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("patch", help="patches/NNNN-name.patch (created if new)")
     p.add_argument("files", nargs="*", help="upstream files (monai/...) to add to the patch")
     p.add_argument("--tree", default=str(ROOT / "build" / "tree"))
+    p = sub.add_parser("export-patch", help="write one git-format patch against upstream")
+    p.add_argument("out", nargs="?", default=str(ROOT / "dist" / f"monai-{VERSION}.patch"))
     sub.add_parser("wheel-path", help="print the verified upstream wheel path (downloads it if needed)")
     sub.add_parser("version", help="print the fork version")
     args = parser.parse_args(argv)
@@ -559,6 +606,8 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"upstream {UPSTREAM_VERSION} in {args.dest}")
         elif args.cmd == "refresh":
             print("refreshed", refresh(Path(args.patch), Path(args.tree), args.files))
+        elif args.cmd == "export-patch":
+            print(export_patch(Path(args.out)))
         elif args.cmd == "wheel-path":
             print(find_upstream_wheel())
         elif args.cmd == "version":

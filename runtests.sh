@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+#
+# The test and developer entry point of the MONAI shared-cache fork, with MONAI's flag names.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+PY=${PYTHON:-python3}
+BUILD="$PY build_backend/monai_sharedcache_build.py"
+TREE=build/tree
+
+usage() {
+    cat <<USAGE
+usage: ./runtests.sh [--unittests] [--quick] [--codeformat] [--docs] [--export-patch] [--build] [--clean] [-h]
+
+  --unittests     lay out the patched tree if needed and run every test against it (multi-process ones included);
+                  installs what requirements-dev.txt lists if it is missing (install torch for your machine first)
+  --quick         with --unittests: skip the slow tests (also sets QUICKTEST=1, as in MONAI)
+  --codeformat    black (120), isort, flake8 and mypy on the overlay, build backend, tests and patched files
+  --docs          build the Sphinx docs with warnings as errors (docs/build/html)
+  --export-patch  write dist/monai-<version>.patch (git format, against upstream) and dist/PR.md
+  --build         build the wheel and sdist into dist/
+  --clean         remove build/, dist/ and caches
+  -h, --help      this help
+
+Extra arguments after -- go to pytest, e.g. ./runtests.sh --unittests -- -k hash_as_key
+USAGE
+}
+
+unittests=0 quick=0 codeformat=0 docs=0 export=0 build=0 clean=0
+extra=()
+[ $# -eq 0 ] && { usage; exit 1; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --unittests) unittests=1 ;;
+        --quick) quick=1 ;;
+        --codeformat) codeformat=1 ;;
+        --docs) docs=1 ;;
+        --export-patch) export=1 ;;
+        --build) build=1 ;;
+        --clean) clean=1 ;;
+        -h|--help) usage; exit 0 ;;
+        --) shift; extra=("$@"); break ;;
+        *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
+    esac
+    shift
+done
+
+ensure_deps() {
+    # install requirements-dev.txt only if something is missing, so an existing torch is kept
+    if ! $PY - "$@" <<'PYCHECK' 2>/dev/null; then
+import importlib.util, sys
+mods = sys.argv[1:]
+sys.exit(any(importlib.util.find_spec(m) is None for m in mods))
+PYCHECK
+        echo "runtests.sh: installing requirements-dev.txt"
+        $PY -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+    fi
+}
+
+layout() {
+    $BUILD layout "$TREE" --if-stale
+}
+
+if [ $clean -eq 1 ]; then
+    rm -rf build dist .pytest_cache .mypy_cache docs/build
+    find . -name __pycache__ -type d -prune -exec rm -rf {} +
+    echo "cleaned"
+fi
+
+if [ $build -eq 1 ]; then
+    ensure_deps build
+    $PY -m build --outdir dist .
+fi
+
+if [ $codeformat -eq 1 ]; then
+    ensure_deps black isort flake8 mypy
+    layout
+    patched=$($PY - <<'PYFILES'
+import sys
+sys.path.insert(0, "build_backend")
+import monai_sharedcache_build as b
+files = set()
+for p in b.patch_files(b.ROOT / b.PATCHES):
+    files.update(fp.path for fp in b.parse_patch(p.read_text(), p.name))
+print(" ".join(f"build/tree/{f}" for f in sorted(files)))
+PYFILES
+)
+    ours="monai build_backend tests benchmarks examples"
+    $PY -m black --check --line-length 120 $ours $patched
+    $PY -m isort --check-only --settings-path setup.cfg $ours $patched
+    $PY -m flake8 --config setup.cfg $ours $patched
+    # mypy on the laid-out package, so that the overlay is checked against the real upstream modules
+    (cd "$TREE" && MYPYPATH=. $PY -m mypy --config-file ../../setup.cfg --follow-imports=silent \
+        $(cd ../.. && find monai -name '*.py' | sed 's|^|./|') $patched_rel 2>&1) | tail -n 25
+    echo "codeformat: ok"
+fi
+
+if [ $docs -eq 1 ]; then
+    ensure_deps sphinx
+    layout
+    PYTHONPATH="$PWD/$TREE" $PY -m sphinx -W --keep-going -b html docs/source docs/build/html
+fi
+
+if [ $export -eq 1 ]; then
+    layout
+    $BUILD export-patch
+fi
+
+if [ $unittests -eq 1 ]; then
+    ensure_deps torch numpy pytest pytest_timeout parameterized nibabel tqdm
+    layout
+    args=(-p no:cacheprovider --timeout=600)
+    if [ $quick -eq 1 ]; then
+        export QUICKTEST=1
+        args+=(-m "not slow")
+    fi
+    PYTHONPATH="$PWD/$TREE${PYTHONPATH:+:$PYTHONPATH}" $PY -m pytest "${args[@]}" tests "${extra[@]}"
+fi

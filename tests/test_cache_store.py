@@ -1,0 +1,951 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+from __future__ import annotations
+
+import errno
+import gc
+import hashlib
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import unittest
+import warnings
+from typing import Any, Callable
+from unittest import mock
+
+import numpy as np
+import torch
+from parameterized import parameterized
+
+import monai
+import monai.data.cache_store as cache_store
+from monai.data.cache_slots import MISS
+from monai.data.cache_store import SharedCacheStore
+from monai.data.meta_tensor import MetaTensor
+
+
+def _slow_marker() -> Callable[[Any], Any]:
+    """pytest's ``slow`` marker (deselected by ``./runtests.sh --quick``), or nothing without pytest."""
+    try:
+        import pytest
+    except ImportError:  # pragma: no cover
+        return lambda obj: obj
+    return pytest.mark.slow  # type: ignore[no-any-return]
+
+
+slow = _slow_marker()
+
+
+IS_LINUX = sys.platform.startswith("linux")
+QUICKTEST = os.environ.get("QUICKTEST", "").strip().lower() in ("1", "true", "yes", "on")
+TIMEOUT = 60.0  # for every wait on another process
+FORK = multiprocessing.get_context("fork") if IS_LINUX else None
+skip_unless_linux = unittest.skipUnless(IS_LINUX, "needs Linux (fork, /proc)")
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------------
+
+
+def _assert_same(tc: unittest.TestCase, a: Any, b: Any, where: str = "item") -> None:
+    """Recursive equality that also checks the types, dtypes, shapes and MetaTensor metadata."""
+    tc.assertIs(type(a), type(b), where)
+    if isinstance(a, torch.Tensor):
+        tc.assertEqual(a.dtype, b.dtype, where)
+        tc.assertEqual(a.shape, b.shape, where)
+        tc.assertEqual(a.device, b.device, where)
+        x, y = torch.Tensor.as_subclass(a, torch.Tensor), torch.Tensor.as_subclass(b, torch.Tensor)
+        if "float8" in str(a.dtype):  # no comparison kernels: compare the bytes
+            x, y = x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)
+        tc.assertTrue(torch.equal(x.resolve_conj(), y.resolve_conj()), where)
+        if isinstance(a, MetaTensor):
+            _assert_same(tc, a.meta, b.meta, where + ".meta")
+            _assert_same(tc, a.applied_operations, b.applied_operations, where + ".applied_operations")
+            tc.assertEqual(a.is_batch, b.is_batch, where + ".is_batch")
+    elif isinstance(a, np.ndarray):
+        tc.assertEqual(a.dtype, b.dtype, where)
+        tc.assertEqual(a.shape, b.shape, where)
+        if a.dtype.hasobject:
+            tc.assertEqual(a.tolist(), b.tolist(), where)
+        else:
+            tc.assertEqual(a.tobytes(), b.tobytes(), where)
+    elif isinstance(a, dict):
+        tc.assertEqual(list(a.keys()), list(b.keys()), where)
+        for k in a:
+            _assert_same(tc, a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        tc.assertEqual(len(a), len(b), where)
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(tc, x, y, f"{where}[{i}]")
+    else:
+        tc.assertEqual(a, b, where)
+
+
+def _item_files(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.endswith(".item"))
+
+
+def _claims(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.endswith(".claim"))
+
+
+def _markers(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.startswith(".live-"))
+
+
+def _runtime_warnings(caught: list) -> list:
+    return [w for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def _recv(conn: Any, timeout: float = TIMEOUT) -> Any:
+    if not conn.poll(timeout):
+        raise AssertionError("no message from the child process")
+    return conn.recv()
+
+
+def _run(target: Callable, *args: Any, timeout: float = TIMEOUT) -> int:
+    """Run ``target(*args)`` in a forked process and return its exit code."""
+    assert FORK is not None
+    proc = FORK.Process(target=target, args=args)
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(TIMEOUT)
+        raise AssertionError(f"{target.__name__} did not finish in {timeout} s")
+    return proc.exitcode  # type: ignore[return-value]
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
+
+
+def _backdate(path: str, seconds: float = 60.0) -> None:
+    old = time.time() - seconds
+    os.utime(path, (old, old))
+
+
+def _meta_tensor(is_batch: bool = False) -> MetaTensor:
+    affine = torch.diag(torch.tensor([1.5, 2.0, 2.5, 1.0], dtype=torch.float64))
+    mt = MetaTensor(torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4), affine=affine)
+    mt.meta["filename_or_obj"] = "case_001.nii.gz"
+    mt.meta["spatial_shape"] = np.array([3, 4])
+    mt.push_applied_operation({"class": "Flip", "id": 1234, "orig_size": (3, 4), "extra_info": {"axes": [0]}})
+    mt.push_applied_operation({"class": "Zoom", "id": 99, "extra_info": {"affine": torch.eye(3), "scale": 2.0}})
+    mt.is_batch = is_batch
+    return mt
+
+
+def _dtypes() -> list[torch.dtype]:
+    names = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+    names += ["complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"]
+    return [getattr(torch, n) for n in names if hasattr(torch, n)]
+
+
+def _tensor_of(dtype: torch.dtype) -> torch.Tensor:
+    base = torch.arange(-6, 6, dtype=torch.float32).reshape(3, 4) / 2
+    if dtype == torch.bool:
+        return base > 0
+    if dtype.is_complex:
+        return base.to(dtype) * (1 + 1j)
+    if not dtype.is_floating_point:
+        return base.abs().to(torch.int64).to(dtype)
+    return base.to(dtype)
+
+
+TORCH_CASES = [(f"tensor_{str(dt).split('.')[-1]}", lambda dt=dt: _tensor_of(dt)) for dt in _dtypes()]
+
+NUMPY_CASES = [
+    (f"ndarray_{dt.replace('>', 'be_')}", lambda dt=dt: (np.arange(24).reshape(2, 3, 4) % 7).astype(dt))
+    for dt in ["uint8", "int16", "int64", "float16", "float32", "float64", "complex64", "bool", ">f4"]
+]
+
+ROUND_TRIP_CASES = [
+    ("dict_of_metatensor", lambda: {"image": _meta_tensor(), "label": _meta_tensor() > 5, "name": "case_001"}),
+    ("metatensor_batch", lambda: _meta_tensor(is_batch=True)),
+    ("list_of_tensors", lambda: [torch.ones(2, 2), torch.zeros(3, dtype=torch.int64), torch.tensor(7.5)]),
+    ("tuple_of_tensors", lambda: (torch.linspace(0, 1, 4), torch.arange(3).to(torch.int16))),
+    ("tensor_transposed", lambda: torch.arange(12.0).reshape(3, 4).T),
+    ("tensor_strided", lambda: torch.arange(40).reshape(4, 10)[:, ::3]),
+    ("tensor_offset_view", lambda: torch.arange(100.0)[37:41]),
+    ("tensor_0d", lambda: torch.tensor(3.25)),
+    ("tensor_empty", lambda: torch.zeros(0, 3, dtype=torch.float16)),
+    ("tensor_requires_grad", lambda: torch.ones(3, requires_grad=True).detach()),
+    ("tensor_conj", lambda: (torch.arange(4.0) * 1j).conj()),
+    ("tensor_large", lambda: torch.arange(50_000, dtype=torch.float32).reshape(50, 1000)),
+    ("ndarray_non_contiguous", lambda: np.arange(60.0).reshape(6, 10)[::2, 1::3]),
+    ("ndarray_fortran", lambda: np.asfortranarray(np.arange(12, dtype=np.int32).reshape(3, 4))),
+    ("ndarray_0d", lambda: np.array(2.5)),
+    ("ndarray_empty", lambda: np.zeros((0, 4), dtype=np.uint16)),
+    ("ndarray_datetime", lambda: np.array(["2020-01-01", "2024-02-29"], dtype="datetime64[D]")),
+    ("ndarray_structured", lambda: np.array([(1, 2.0), (3, 4.0)], dtype=[("a", "<i4"), ("b", "<f8")])),
+    ("ndarray_object", lambda: np.array([{"a": 1}, "x", None], dtype=object)),
+    ("ndarray_large", lambda: np.arange(40_000, dtype=np.float64).reshape(200, 200)),
+    ("scalars", lambda: [1, -(2**70), 2.5, 1 + 2j, True, False, np.float32(1.5), np.int64(3)]),
+    ("strings", lambda: {"s": "text ünïcödé", "b": b"\x00bytes", "e": ""}),
+    ("none", lambda: None),
+    ("int", lambda: 42),
+    (
+        "nested",
+        lambda: {
+            "a": [{"t": torch.ones(2, 3)}, (np.ones(3), [None, "x", {"deep": torch.arange(3)}])],
+            "meta": {"affine": torch.eye(4, dtype=torch.float64), "shape": (1, 2, 3)},
+            "mt": [_meta_tensor()],
+        },
+    ),
+]
+
+
+class _TempRootMixin(unittest.TestCase):
+    """A private temporary root for the stores of a test, removed afterwards with everything in it."""
+
+    root_parent: str | None = None  # where to make the root; None: the system's temporary directory
+
+    def setUp(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="test-cache-store-", dir=self.root_parent)
+        self.stores: list[SharedCacheStore] = []
+
+    def tearDown(self) -> None:
+        for store in self.stores:
+            store.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def new_store(self, **kwargs: Any) -> SharedCacheStore:
+        store = SharedCacheStore(root=self.root, **kwargs)
+        self.stores.append(store)
+        return store
+
+
+# -- children of the multi-process tests (module level, so that they can run in another process) ---------------------
+
+
+def _child_slow_writer(path: str) -> None:
+    torch.set_num_threads(1)
+    store = SharedCacheStore(path, participate=False)
+    real_write = os.write
+
+    def slow_write(fd: int, data: Any) -> int:
+        time.sleep(0.01)
+        return real_write(fd, memoryview(data)[:4096])
+
+    os.write = slow_write  # type: ignore[assignment]
+    store.put(0, "big", np.zeros(1 << 20, dtype=np.uint8))  # 256 slow writes: killed long before the end
+
+
+def _child_fill(path: str, keys: list[str], counts: Any, shift: int) -> None:
+    torch.set_num_threads(1)
+    store = SharedCacheStore(path, participate=False)
+    order = keys[shift:] + keys[:shift]
+    for key in order + order:
+        k = keys.index(key)
+
+        def compute(k: int = k) -> dict:
+            with counts.get_lock():
+                counts[k] += 1
+            time.sleep(0.02)
+            return {"k": k, "t": torch.full((20_000,), float(k)), "a": np.full(100, k, dtype=np.int32)}
+
+        item = store.get_or_compute(k, key, compute)
+        ok = item["k"] == k and bool((item["t"] == k).all()) and item["t"].shape == (20_000,)
+        if not (ok and bool((item["a"] == k).all())):
+            raise AssertionError(f"wrong item for {key}")
+
+
+def _child_create_and_wait(root: str, conn: Any) -> None:
+    torch.set_num_threads(1)
+    store = SharedCacheStore(root=root)
+    store.put(0, "x", torch.ones(3))
+    conn.send(store.path)  # a pipe, not a queue: a queue's lock may die with a killed child
+    time.sleep(TIMEOUT)
+
+
+def _child_attach_and_wait(path: str, conn: Any, event: Any) -> None:
+    store = SharedCacheStore(path)
+    conn.send("attached")
+    if event is None:
+        time.sleep(TIMEOUT)  # to be killed
+    elif event.wait(TIMEOUT):
+        store.close()
+
+
+def _child_stats(path: str, conn: Any) -> None:
+    conn.send(SharedCacheStore(path, participate=False).stats())
+
+
+def _child_many_items(path: str, n: int, n_mapped: int) -> None:
+    import resource
+
+    torch.set_num_threads(1)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    store = SharedCacheStore(path, participate=False)
+    for i in range(n):
+        if not store.put(i, f"key{i}", {"i": i, "t": torch.tensor([i, i + 1])}):
+            raise AssertionError(f"put {i} failed")
+    items = [store.get(i, f"key{i}") for i in range(n)]  # all alive at once
+    if any(item is MISS or item["i"] != i or item["t"].tolist() != [i, i + 1] for i, item in enumerate(items)):
+        raise AssertionError("wrong items")
+    cache_store._SMALL_FILE = 0  # map every file: the mappings must not hold a descriptor each
+    mapped = [store.get(i, f"key{i}") for i in range(n_mapped)]
+    if any(item is MISS or item["t"].tolist() != [i, i + 1] for i, item in enumerate(mapped)):
+        raise AssertionError("wrong mapped items")
+    n_fds = len(os.listdir("/proc/self/fd"))
+    if n_fds > 100:
+        raise AssertionError(f"{n_fds} open descriptors for {n_mapped} mapped items")
+
+
+# -- tests ------------------------------------------------------------------------------------------------------------
+
+
+class TestRoundTrip(_TempRootMixin):
+    @parameterized.expand(ROUND_TRIP_CASES + TORCH_CASES + NUMPY_CASES)
+    def test_round_trip(self, _: str, make: Callable[[], Any]) -> None:
+        store = self.new_store()
+        self.assertTrue(store.put(0, "key", make()))
+        out = store.get(0, "key")
+        _assert_same(self, make(), out)
+        if isinstance(out, (torch.Tensor, np.ndarray, list, dict)):
+            self.assertIsNot(store.get(0, "key"), out)  # a fresh object graph every time
+
+    def test_metatensor_details(self) -> None:
+        store = self.new_store()
+        mt = _meta_tensor()
+        store.put(0, "k", {"img": mt})
+        out = store.get(0, "k")["img"]
+        self.assertIsInstance(out, MetaTensor)
+        self.assertIs(type(out.affine), torch.Tensor)
+        self.assertEqual(out.affine.dtype, torch.float64)
+        self.assertTrue(torch.equal(out.affine, mt.affine))
+        self.assertEqual(out.applied_operations[0]["extra_info"], {"axes": [0]})
+        self.assertEqual(set(out.__dict__), set(mt.__dict__))
+        out.meta["new"] = 1  # private metadata
+        self.assertNotIn("new", store.get(0, "k")["img"].meta)
+
+    def test_requires_grad_is_detached(self) -> None:
+        store = self.new_store()
+        store.put(0, "k", torch.ones(3, requires_grad=True) * 2)
+        out = store.get(0, "k")
+        self.assertFalse(out.requires_grad)
+        self.assertEqual(out.tolist(), [2.0, 2.0, 2.0])
+
+    def test_same_object_twice_stays_shared(self) -> None:
+        store = self.new_store()
+        t = torch.arange(3)
+        store.put(0, "k", [t, t])
+        a, b = store.get(0, "k")
+        self.assertIs(a, b)
+
+    def test_gpu_tensor_refused(self) -> None:
+        store = self.new_store()
+        with self.assertRaisesRegex(TypeError, "CPU tensors.*EnsureTyped"):
+            store.put(0, "k", {"img": torch.empty(3, device="meta")})
+        self.assertEqual(os.listdir(os.path.join(store.path, ".tmp")), [])
+        self.assertIs(store.get(0, "k"), MISS)
+
+    def test_unpicklable_item_raises_and_leaves_nothing(self) -> None:
+        store = self.new_store()
+        with self.assertRaises(Exception):
+            store.put(0, "k", {"f": lambda x: x})
+        self.assertEqual(os.listdir(os.path.join(store.path, ".tmp")), [])
+        self.assertEqual(_item_files(store.path), [])
+
+    @parameterized.expand(
+        [("safe", "0123abcdEF_-x", "0123abcdEF_-x"), ("unsafe", "a/b c.nii", None), ("long", "k" * 129, None)]
+    )
+    def test_key_file_names(self, _: str, key: str, stem: str | None) -> None:
+        store = self.new_store()
+        store.put(3, key, [key])
+        stem = stem or hashlib.sha256(key.encode()).hexdigest()
+        self.assertEqual(_item_files(store.path), [stem + ".item"])
+        self.assertEqual(store.get(7, key), [key])  # the index is informational
+        self.assertIs(store.get(3, key + "x"), MISS)
+
+    def test_file_of_another_key_is_a_miss(self) -> None:
+        store = self.new_store()
+        store.put(0, "a", 1)
+        shutil.copy(os.path.join(store.path, "a.item"), os.path.join(store.path, "b.item"))
+        self.assertIs(store.get(0, "b"), MISS)
+        self.assertEqual(store.get(0, "a"), 1)
+
+
+class TestZeroCopy(_TempRootMixin):
+    def _mapped_files(self, address: int) -> list[str]:
+        found = []
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if lo <= address < hi and len(fields) >= 6:
+                    found.append(fields[5])
+        return found
+
+    @skip_unless_linux
+    def test_large_items_are_views_of_a_private_mapping(self) -> None:
+        store = self.new_store()
+        store.put(0, "k", {"t": torch.arange(100_000, dtype=torch.float32), "a": np.arange(50_000.0)})
+        path = os.path.join(store.path, "k.item")
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        first, second = store.get(0, "k"), store.get(0, "k")
+        # the data lives in a mapping of the item file, not in a copy
+        self.assertEqual(self._mapped_files(first["t"].data_ptr()), [path])
+        self.assertEqual(self._mapped_files(first["a"].ctypes.data), [path])
+        self.assertNotEqual(first["t"].data_ptr(), second["t"].data_ptr())
+        self.assertTrue(first["a"].flags.writeable and first["a"].flags.aligned)
+        self.assertEqual(first["t"].data_ptr() % 64, 0)
+        first["t"] += 1  # copy-on-write: private to this reader
+        first["a"][:] = -1
+        self.assertEqual(second["t"][:3].tolist(), [0.0, 1.0, 2.0])
+        self.assertEqual(second["a"][:3].tolist(), [0.0, 1.0, 2.0])
+        with open(path, "rb") as f:
+            self.assertEqual(hashlib.sha256(f.read()).hexdigest(), digest)
+        third = store.get(0, "k")
+        self.assertTrue(torch.equal(third["t"], torch.arange(100_000, dtype=torch.float32)))
+
+    @skip_unless_linux
+    def test_mapping_outlives_item_and_file(self) -> None:
+        store = self.new_store()
+        store.put(0, "k", torch.arange(100_000))
+        t = store.get(0, "k")
+        store.invalidate(["k"], [])  # the file is gone; the private mapping stays valid
+        gc.collect()
+        self.assertEqual(int(t[-1]), 99_999)
+        address = t.data_ptr()
+        del t
+        gc.collect()
+        self.assertEqual(self._mapped_files(address), [])  # unmapped with its last view
+
+    def test_small_items_are_private(self) -> None:
+        store = self.new_store()
+        store.put(0, "k", {"t": torch.zeros(4), "a": np.zeros(4)})
+        first, second = store.get(0, "k"), store.get(0, "k")
+        first["t"][0], first["a"][0] = 5, 5
+        self.assertEqual(second["t"].tolist(), [0.0] * 4)
+        self.assertEqual(store.get(0, "k")["a"].tolist(), [0.0] * 4)
+        self.assertTrue(SharedCacheStore.reads_are_private)
+
+
+class TestClaims(_TempRootMixin):
+    def test_hit_does_not_compute(self) -> None:
+        store = self.new_store()
+        store.put(0, "k", 1)
+        self.assertEqual(store.get_or_compute(0, "k", lambda: 1 / 0), 1)
+
+    def test_compute_error_propagates_and_releases_claim(self) -> None:
+        store = self.new_store()
+        with self.assertRaises(ZeroDivisionError):
+            store.get_or_compute(0, "k", lambda: 1 / 0)
+        self.assertEqual(_claims(store.path), [])
+        self.assertEqual(store.get_or_compute(0, "k", lambda: 2), 2)
+        self.assertEqual(store.get(0, "k"), 2)
+
+    def test_threads_compute_once(self) -> None:
+        store = self.new_store()
+        calls: list[int] = []
+        results: list[Any] = []
+        barrier = threading.Barrier(4)
+
+        def compute() -> torch.Tensor:
+            calls.append(1)
+            time.sleep(0.1)
+            return torch.arange(5)
+
+        def run() -> None:
+            barrier.wait(TIMEOUT)
+            results.append(store.get_or_compute(0, "k", compute))
+
+        threads = [threading.Thread(target=run) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        self.assertEqual(len(calls), 1)
+        self.assertEqual(len(results), 4)
+        self.assertTrue(all(torch.equal(r, torch.arange(5)) for r in results))
+
+    def test_recursive_compute_of_same_key(self) -> None:
+        store = self.new_store(claim_timeout=TIMEOUT)
+        self.assertEqual(store.get_or_compute(0, "k", lambda: store.get_or_compute(0, "k", lambda: 7) + 1), 8)
+        self.assertEqual(store.get(0, "k"), 8)
+
+    @skip_unless_linux
+    def test_stale_claim_of_dead_process_is_removed(self) -> None:
+        store = self.new_store(claim_timeout=TIMEOUT)
+        proc = FORK.Process(target=time.sleep, args=(0,))  # type: ignore[union-attr]
+        proc.start()
+        proc.join(TIMEOUT)
+        with open(os.path.join(store.path, "k.claim"), "w") as f:
+            f.write(f"{proc.pid} 12345 1 {cache_store._self_id()[2]}\n")
+        self.assertEqual(store.get_or_compute(0, "k", lambda: "computed"), "computed")
+        self.assertEqual(store.get(0, "k"), "computed")
+        self.assertEqual(_claims(store.path), [])
+
+    def test_empty_claim_is_stale_after_grace_period(self) -> None:
+        store = self.new_store(claim_timeout=TIMEOUT)
+        claim = os.path.join(store.path, "k.claim")
+        open(claim, "w").close()
+        _backdate(claim)
+        self.assertEqual(store.get_or_compute(0, "k", lambda: 3), 3)
+        self.assertEqual(_claims(store.path), [])
+
+    @skip_unless_linux
+    def test_claim_timeout_computes_without_storing(self) -> None:
+        store = self.new_store(claim_timeout=0.2)
+        parent = os.getppid()  # a live process that will not release the claim
+        with open(os.path.join(store.path, "k.claim"), "w") as f:
+            f.write(f"{parent} {cache_store._start_time(parent)} 1 {cache_store._self_id()[2]}\n")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertEqual(store.get_or_compute(0, "k", lambda: 5), 5)
+            self.assertEqual(store.get_or_compute(0, "k", lambda: 6), 6)
+        self.assertEqual(len(_runtime_warnings(caught)), 1)
+        self.assertIs(store.get(0, "k"), MISS)
+
+    @skip_unless_linux
+    def test_processes_compute_each_key_once(self) -> None:
+        store = self.new_store()
+        keys = [f"key{i}" for i in range(8)]
+        counts = FORK.Array("i", len(keys))  # type: ignore[union-attr]
+        procs = [
+            FORK.Process(target=_child_fill, args=(store.path, keys, counts, 2 * i))  # type: ignore[union-attr]
+            for i in range(4)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(TIMEOUT)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(TIMEOUT)
+        self.assertEqual([p.exitcode for p in procs], [0] * 4)
+        self.assertEqual(counts[:], [1] * len(keys))
+        self.assertEqual(_item_files(store.path), sorted(k + ".item" for k in keys))
+        self.assertEqual(_claims(store.path), [])
+
+
+class TestAtomicPublish(_TempRootMixin):
+    @skip_unless_linux
+    def test_killed_writer_leaves_no_item(self) -> None:
+        store = self.new_store()
+        tmp_dir = os.path.join(store.path, ".tmp")
+        proc = FORK.Process(target=_child_slow_writer, args=(store.path,))  # type: ignore[union-attr]
+        proc.start()
+        try:
+            _wait_for(lambda: any(os.path.getsize(os.path.join(tmp_dir, n)) > 0 for n in os.listdir(tmp_dir)))
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            proc.join(TIMEOUT)
+        self.assertEqual(len(os.listdir(tmp_dir)), 1)  # the half-written temporary file
+        self.assertEqual(_item_files(store.path), [])
+        self.assertIs(store.get(0, "big"), MISS)
+        self.assertTrue(store.put(0, "big", torch.ones(10)))
+        self.assertEqual(os.listdir(tmp_dir), [])  # the dead writer's file is cleaned up
+        self.assertTrue(torch.equal(store.get(0, "big"), torch.ones(10)))
+
+    @parameterized.expand(
+        [
+            ("garbage", lambda data: b"not an item at all"),
+            ("empty", lambda data: b""),
+            ("truncated", lambda data: data[:-7]),
+            ("bad_version", lambda data: data[:8] + b"\x63\x00" + data[10:]),
+            ("bad_magic", lambda data: b"X" + data[1:]),
+            ("bad_pickle", lambda data: data[:-40] + b"\x00" * 40),
+        ]
+    )
+    def test_malformed_file_is_a_miss_and_removed(self, _: str, damage: Callable[[bytes], bytes]) -> None:
+        store = self.new_store()
+        store.put(0, "k", {"x": "y" * 100})
+        path = os.path.join(store.path, "k.item")
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(damage(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            self.assertIs(store.get(0, "k"), MISS)
+        self.assertFalse(os.path.exists(path))
+        self.assertEqual(store.get_or_compute(0, "k", lambda: 1), 1)
+
+
+class TestFaults(_TempRootMixin):
+    def test_enospc(self) -> None:
+        store = self.new_store()
+        store.put(0, "old", 1)
+        item = {"t": torch.arange(10), "a": np.ones(3)}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with mock.patch.object(os, "write", side_effect=OSError(errno.ENOSPC, "No space left on device")):
+                out = store.get_or_compute(0, "k", lambda: item)
+                self.assertFalse(store.put(1, "k2", item))
+                self.assertFalse(store.put(1, "k2", item))
+            self.assertEqual(store.get_or_compute(2, "k3", lambda: 3), 3)
+        _assert_same(self, item, out)
+        runtime = _runtime_warnings(caught)
+        self.assertEqual(len(runtime), 1, [str(w.message) for w in runtime])
+        self.assertIn("No space left", str(runtime[0].message))
+        self.assertEqual(os.listdir(os.path.join(store.path, ".tmp")), [])
+        self.assertEqual(_item_files(store.path), ["old.item"])
+        self.assertEqual(store.get(0, "old"), 1)  # reads go on
+        self.assertEqual(_claims(store.path), [])
+
+    def test_directory_removed_mid_run(self) -> None:
+        store = self.new_store()
+        store.put(0, "k", 1)
+        shutil.rmtree(store.path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertIs(store.get(0, "k"), MISS)
+            self.assertFalse(store.put(0, "k", 2))
+            self.assertEqual(store.get_or_compute(0, "k", lambda: 3), 3)
+            store.resize(4)
+            store.invalidate(["k"], [])
+            self.assertEqual(len(store), 0)
+            self.assertEqual(store.stats(), {"filled": 0, "capacity": 0, "nbytes": 0})
+            store.close()
+        self.assertEqual(len(_runtime_warnings(caught)), 1)
+        self.assertFalse(os.path.exists(store.path))  # never re-created
+
+    def test_unreadable_item_is_a_miss(self) -> None:
+        store = self.new_store()
+        store.put(0, "k", 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with mock.patch.object(os, "open", side_effect=PermissionError(errno.EACCES, "Permission denied")):
+                self.assertIs(store.get(0, "k"), MISS)
+                self.assertIs(store.get(0, "k"), MISS)
+        self.assertEqual(len(_runtime_warnings(caught)), 1)
+        self.assertEqual(store.get(0, "k"), 1)
+
+
+class TestSecurity(_TempRootMixin):
+    @parameterized.expand([("group_other_rx", 0o755), ("world_writable", 0o777), ("group_rwx", 0o770)])
+    @unittest.skipUnless(os.name == "posix", "POSIX modes")
+    def test_refuses_shared_mode(self, _: str, mode: int) -> None:
+        path = os.path.join(self.root, "d")
+        os.mkdir(path)
+        os.chmod(path, mode)
+        with self.assertRaisesRegex(PermissionError, "mode.*unpickled"):
+            SharedCacheStore(path)
+
+    @unittest.skipUnless(os.name == "posix", "symbolic links")
+    def test_refuses_symlink(self) -> None:
+        store = self.new_store()
+        link = os.path.join(self.root, "link")
+        os.symlink(store.path, link)
+        with self.assertRaisesRegex(PermissionError, "symbolic link"):
+            SharedCacheStore(link)
+
+    def test_refuses_file(self) -> None:
+        path = os.path.join(self.root, "f")
+        open(path, "w").close()
+        os.chmod(path, 0o600)
+        with self.assertRaisesRegex(PermissionError, "not a directory"):
+            SharedCacheStore(path)
+
+    @unittest.skipUnless(hasattr(os, "getuid"), "POSIX uids")
+    def test_refuses_other_owner(self) -> None:
+        store = self.new_store()
+        with mock.patch.object(os, "getuid", return_value=os.getuid() + 4242):
+            with self.assertRaisesRegex(PermissionError, "owned by uid"):
+                SharedCacheStore(store.path)
+
+    def test_missing_directory(self) -> None:
+        with self.assertRaisesRegex(FileNotFoundError, "does not exist"):
+            SharedCacheStore(os.path.join(self.root, "nope"))
+
+    def test_arguments(self) -> None:
+        store = self.new_store()
+        with self.assertRaises(ValueError):
+            SharedCacheStore(store.path, root=self.root)
+        with self.assertRaises(ValueError):
+            SharedCacheStore(store.path, claim_timeout=-1)
+        with self.assertRaises(ValueError):
+            store.resize(-1)
+
+    @unittest.skipUnless(os.name == "posix", "POSIX modes")
+    def test_created_directory_is_private(self) -> None:
+        store = self.new_store()
+        self.assertEqual(os.lstat(store.path).st_mode & 0o777, 0o700)
+        self.assertTrue(os.path.basename(store.path).startswith("monai-cache-"))
+        self.assertEqual(os.path.dirname(store.path), os.path.abspath(self.root))
+
+
+class TestLifetime(_TempRootMixin):
+    def test_default_root(self) -> None:
+        store = SharedCacheStore()
+        try:
+            if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
+                self.assertEqual(os.path.dirname(store.path), "/dev/shm")
+            self.assertTrue(store.put(0, "k", torch.ones(2)))
+            self.assertTrue(torch.equal(store.get(0, "k"), torch.ones(2)))
+        finally:
+            store.close()
+        self.assertFalse(os.path.exists(store.path))
+
+    def test_two_participants(self) -> None:
+        first = self.new_store()
+        second = SharedCacheStore(first.path)
+        self.stores.append(second)
+        self.assertEqual(len(_markers(first.path)), 2)
+        first.close()
+        first.close()  # idempotent
+        self.assertTrue(os.path.isdir(first.path))
+        self.assertIs(first.get(0, "k"), MISS)  # a closed store misses
+        second.put(0, "k", 1)
+        second.close()
+        self.assertFalse(os.path.exists(first.path))
+
+    def test_non_participant_does_not_keep_or_remove(self) -> None:
+        store = self.new_store()
+        reader = SharedCacheStore(store.path, participate=False)
+        self.assertEqual(len(_markers(store.path)), 1)
+        reader.close()
+        self.assertTrue(os.path.isdir(store.path))
+        store.close()
+        self.assertFalse(os.path.exists(store.path))
+
+    def test_store_without_participant_is_a_leftover(self) -> None:
+        store = self.new_store(participate=False)
+        store.put(0, "k", 1)
+        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])  # too recent
+        _backdate(store.path)
+        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [store.path])
+        self.assertFalse(os.path.exists(store.path))
+
+    @skip_unless_linux
+    def test_marker_of_other_pid_namespace_counts_as_alive(self) -> None:
+        store = self.new_store(participate=False)
+        dead = FORK.Process(target=time.sleep, args=(0,))  # type: ignore[union-attr]
+        dead.start()
+        dead.join(TIMEOUT)
+        namespace = cache_store._self_id()[2]
+        other = os.path.join(store.path, f".live-{dead.pid}-1-{namespace + 1}-0000")
+        open(other, "w").close()  # e.g. a container that shares /dev/shm: its pids cannot be checked from here
+        _backdate(store.path)
+        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])
+        os.rename(other, os.path.join(store.path, f".live-{dead.pid}-1-{namespace}-0000"))
+        _backdate(store.path)
+        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [store.path])
+
+    @skip_unless_linux
+    def test_liveness_without_proc(self) -> None:
+        dead = FORK.Process(target=time.sleep, args=(0,))  # type: ignore[union-attr]
+        dead.start()
+        dead.join(TIMEOUT)
+        with mock.patch.object(cache_store.sys, "platform", "darwin"):  # psutil if installed, else kill(pid, 0)
+            self.assertIsNotNone(cache_store._start_time(os.getpid()))
+            self.assertIsNone(cache_store._start_time(dead.pid))  # type: ignore[arg-type]
+
+    def test_garbage_collection_closes(self) -> None:
+        store = SharedCacheStore(root=self.root)
+        path = store.path
+        del store
+        gc.collect()
+        self.assertFalse(os.path.exists(path))
+
+    @skip_unless_linux
+    def test_killed_creator_is_cleaned_up(self) -> None:
+        paths = []
+        for _ in range(2):
+            receiver, sender = FORK.Pipe(duplex=False)  # type: ignore[union-attr]
+            proc = FORK.Process(target=_child_create_and_wait, args=(self.root, sender))  # type: ignore[union-attr]
+            proc.start()
+            try:
+                paths.append(_recv(receiver))
+            finally:
+                os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                proc.join(TIMEOUT)
+            self.assertTrue(os.path.isdir(paths[-1]))  # nobody could remove it
+        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])  # too recent: may be being created
+        _backdate(paths[0])
+        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [paths[0]])
+        _backdate(paths[1])
+        store = self.new_store()  # a new store cleans its root
+        self.assertEqual(os.listdir(self.root), [os.path.basename(store.path)])
+
+    @skip_unless_linux
+    def test_live_participant_in_other_process(self) -> None:
+        store = self.new_store()
+        (receiver, sender), event = FORK.Pipe(duplex=False), FORK.Event()  # type: ignore[union-attr]
+        proc = FORK.Process(target=_child_attach_and_wait, args=(store.path, sender, event))  # type: ignore[union-attr]
+        proc.start()
+        try:
+            self.assertEqual(_recv(receiver), "attached")
+            store.close()
+            self.assertTrue(os.path.isdir(store.path))  # the child still participates
+            _backdate(store.path)
+            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])
+        finally:
+            event.set()
+            proc.join(TIMEOUT)
+        self.assertEqual(proc.exitcode, 0)
+        self.assertFalse(os.path.exists(store.path))  # the last participant removed it
+
+    @skip_unless_linux
+    def test_dead_participant_does_not_keep_store(self) -> None:
+        store = self.new_store()
+        receiver, sender = FORK.Pipe(duplex=False)  # type: ignore[union-attr]
+        proc = FORK.Process(target=_child_attach_and_wait, args=(store.path, sender, None))  # type: ignore[union-attr]
+        proc.start()
+        try:
+            self.assertEqual(_recv(receiver), "attached")
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        _wait_for(lambda: cache_store._start_time(proc.pid) is None)  # type: ignore[arg-type]
+        self.assertEqual(len(_markers(store.path)), 2)
+        store.close()
+        proc.join(TIMEOUT)
+        self.assertFalse(os.path.exists(store.path))
+
+    @skip_unless_linux
+    def test_forked_child_never_removes(self) -> None:
+        store = SharedCacheStore(root=self.root)
+        store.put(0, "k", 1)
+        path, markers = store.path, _markers(store.path)
+        for how in ("gc", "close"):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover (child)
+                code = 1
+                try:
+                    if how == "close":
+                        store.close()
+                    del store  # the only reference: the inherited finalizer runs here
+                    gc.collect()
+                    code = 0
+                finally:
+                    os._exit(code)
+            deadline = time.monotonic() + TIMEOUT
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    self.fail("forked child did not exit")
+                time.sleep(0.01)
+            self.assertTrue(os.path.isdir(path), how)
+            self.assertEqual(_markers(path), markers, how)
+        self.assertEqual(store.get(0, "k"), 1)
+        store.close()
+        self.assertFalse(os.path.exists(path))
+
+    @slow
+    @unittest.skipIf(QUICKTEST, "starts a new interpreter")
+    def test_other_interpreter_unpickles_and_exits_cleanly(self) -> None:
+        store = self.new_store()
+        store.put(0, "k", {"img": _meta_tensor()})
+        script = textwrap.dedent("""
+            import pickle, sys
+            import torch
+            from monai.data.cache_store import SharedCacheStore
+
+            shared = pickle.loads(sys.stdin.buffer.read())  # as a DataLoader worker under spawn
+            item = shared.get(0, "k")
+            shared.put(1, "from_child", torch.arange(3))
+            shared.close()
+            own = SharedCacheStore(root=sys.argv[1])
+            own.put(0, "x", torch.ones(2))
+            print(float(item["img"].sum()), item["img"].affine[0, 0].item(), own.path, flush=True)
+            """)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.dirname(os.path.dirname(monai.__file__)), env.get("PYTHONPATH", "")]
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", script, self.root],
+            input=pickle.dumps(store),
+            capture_output=True,
+            timeout=120,
+            env=env,
+            check=True,
+        )
+        total, affine00, own_path = out.stdout.decode().split()
+        self.assertEqual(float(total), float(_meta_tensor().sum()))
+        self.assertEqual(float(affine00), 1.5)
+        self.assertTrue(os.path.isdir(store.path))  # the non-participant left it alone
+        self.assertTrue(torch.equal(store.get(1, "from_child"), torch.arange(3)))
+        self.assertFalse(os.path.exists(own_path))  # its own store went away at exit
+
+
+class TestPickleAndStats(_TempRootMixin):
+    def test_pickle_attaches_without_participating(self) -> None:
+        store = self.new_store(claim_timeout=12.5)
+        store.put(0, "k", {"t": torch.arange(4)})
+        copy = pickle.loads(pickle.dumps(store))
+        self.assertIsInstance(copy, SharedCacheStore)
+        self.assertEqual(copy.path, store.path)
+        self.assertEqual(copy._claim_timeout, 12.5)
+        self.assertEqual(len(_markers(store.path)), 1)
+        self.assertTrue(torch.equal(copy.get(0, "k")["t"], torch.arange(4)))
+        copy.close()
+        self.assertTrue(os.path.isdir(store.path))
+
+    def test_unpickle_after_removal_degrades(self) -> None:
+        store = self.new_store()
+        data = pickle.dumps(store)
+        store.close()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            copy = pickle.loads(data)
+            self.assertIs(copy.get(0, "k"), MISS)
+            self.assertFalse(copy.put(0, "k", 1))
+            self.assertEqual(copy.get_or_compute(0, "k", lambda: 2), 2)
+        self.assertEqual(len(_runtime_warnings(caught)), 1)
+
+    @skip_unless_linux
+    def test_stats_len_and_invalidate(self) -> None:
+        store = self.new_store()
+        self.assertEqual(len(store), 0)
+        self.assertEqual(store.stats(), {"filled": 0, "capacity": 0, "nbytes": 0})
+        store.resize(10)
+        for i in range(3):
+            store.put(i, f"k{i}", torch.zeros(100))
+        expected_bytes = sum(os.path.getsize(os.path.join(store.path, n)) for n in _item_files(store.path))
+        expected = {"filled": 3, "capacity": 10, "nbytes": expected_bytes}
+        self.assertEqual(store.stats(), expected)
+        self.assertGreater(expected_bytes, 3 * 400)
+        receiver, sender = FORK.Pipe(duplex=False)  # type: ignore[union-attr]
+        self.assertEqual(_run(_child_stats, store.path, sender), 0)
+        self.assertEqual(_recv(receiver), expected)
+        other = SharedCacheStore(store.path, participate=False)
+        self.assertEqual(len(other), 10)
+        other.resize(4)
+        self.assertEqual(len(store), 4)
+        store.invalidate(["k0", "k1", "gone"], ["k1", "k5"])  # only k0: k1 is still needed, k2 is not ours
+        self.assertEqual(_item_files(store.path), ["k1.item", "k2.item"])
+
+
+class TestManyItems(_TempRootMixin):
+    # file creation on a disk file system can take a millisecond: use a root in shared memory when there is one
+    root_parent = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK) else None
+
+    @slow
+    @skip_unless_linux
+    @unittest.skipIf(QUICKTEST, "writes 20,000 items")
+    def test_many_items_with_few_descriptors(self) -> None:
+        store = self.new_store()
+        self.assertEqual(_run(_child_many_items, store.path, 20_000, 2_000, timeout=300), 0)
+        self.assertEqual(store.stats()["filled"], 20_000)
+
+
+if __name__ == "__main__":
+    unittest.main()
