@@ -1,0 +1,212 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Tests of the fork's build: the backend, the patch applier, the wheel, an install into a venv, the exported patch."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import unittest
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "build_backend"))
+import monai_sharedcache_build as build  # noqa: E402
+
+QUICK = bool(os.environ.get("QUICKTEST"))
+
+
+class TestVersion(unittest.TestCase):
+    def test_imported_monai_is_the_fork(self):
+        import monai
+
+        self.assertEqual(monai.__version__, build.VERSION)
+        self.assertRegex(monai.__version__, r"^1\.6\.1\+sharedcache\.\d+$")
+        from monai.data import CacheDataset, create_shared_cache  # noqa: F401
+
+
+class TestPatchApplier(unittest.TestCase):
+    ORIGINAL = "".join(f"line {i}\n" for i in range(1, 21))
+
+    def test_round_trip(self):
+        edited = self.ORIGINAL.replace("line 5\n", "line five\n").replace("line 18\n", "line 18\nnew\n")
+        patch = build.make_patch("pkg/mod.py", self.ORIGINAL, edited)
+        (fp,) = build.parse_patch(patch, "0001-x.patch")
+        self.assertEqual(fp.path, "pkg/mod.py")
+        self.assertEqual(build.apply_file_patch(fp, self.ORIGINAL, "0001-x.patch"), edited)
+
+    def test_drifted_hunk_is_refused(self):
+        edited = self.ORIGINAL.replace("line 10\n", "line ten\n")
+        patch = build.make_patch("pkg/mod.py", self.ORIGINAL, edited)
+        (fp,) = build.parse_patch(patch, "0007-drift.patch")
+        drifted = self.ORIGINAL.replace("line 9\n", "line nine (upstream changed)\n")
+        with self.assertRaisesRegex(build.BuildError, r"0007-drift\.patch.*pkg/mod\.py.*hunk #1"):
+            build.apply_file_patch(fp, drifted, "0007-drift.patch")
+        moved = "extra\n" + self.ORIGINAL  # no offset search either: a hunk applies where it says or not at all
+        with self.assertRaisesRegex(build.BuildError, "hunk #1"):
+            build.apply_file_patch(fp, moved, "0007-drift.patch")
+
+    def test_patch_series_names_the_failing_patch(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = Path(tmp)
+            (tree / "pkg").mkdir()
+            (tree / "pkg" / "mod.py").write_text(self.ORIGINAL)
+            patch = tree / "0003-bad.patch"
+            patch.write_text(build.make_patch("pkg/mod.py", self.ORIGINAL.replace("line 1\n", "x\n"), "y\n"))
+            with self.assertRaisesRegex(build.BuildError, r"0003-bad\.patch does not apply to pkg/mod\.py"):
+                build.apply_patch(tree, patch)
+            self.assertEqual((tree / "pkg" / "mod.py").read_text(), self.ORIGINAL)  # nothing written
+
+    def test_no_newline_at_eof(self):
+        patch = (
+            "--- a/f.txt\n+++ b/f.txt\n@@ -1,2 +1,2 @@\n a\n-b\n\\ No newline at end of file\n+c\n"
+            "\\ No newline at end of file\n"
+        )
+        (fp,) = build.parse_patch(patch, "p")
+        self.assertEqual(build.apply_file_patch(fp, "a\nb", "p"), "a\nc")
+
+    def test_series_applies_to_upstream(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = build.pristine(Path(tmp) / "t")
+            for patch in build.patch_files(ROOT / build.PATCHES):
+                self.assertTrue(build.apply_patch(tree, patch), patch.name)
+
+
+class TestUpstreamWheel(unittest.TestCase):
+    def test_wrong_sha256_is_refused(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            fake = Path(tmp) / build.UPSTREAM_WHEEL
+            fake.write_bytes(b"not the release")
+            with self.assertRaisesRegex(build.BuildError, "sha256 mismatch"):
+                build.find_upstream_wheel({build.CONFIG_KEY: str(fake)})
+            os.environ[build.ENV_WHEEL] = str(fake)
+            try:
+                with self.assertRaisesRegex(build.BuildError, "sha256 mismatch"):
+                    build.find_upstream_wheel()
+            finally:
+                del os.environ[build.ENV_WHEEL]
+
+    def test_config_setting_wins(self):
+        wheel = build.find_upstream_wheel()
+        self.assertEqual(build.find_upstream_wheel({build.CONFIG_KEY: str(wheel)}), wheel)
+
+
+class TestArchives(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp()
+        cls.wheel = Path(cls.tmp) / build.build_wheel(cls.tmp)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_wheel_content_and_record(self):
+        self.assertEqual(self.wheel.name, f"monai-{build.VERSION}-py3-none-any.whl")
+        info = f"monai-{build.VERSION}.dist-info"
+        with zipfile.ZipFile(self.wheel) as zf:
+            names = set(zf.namelist())
+            for f in ("monai/data/cache_slots.py", "monai/data/cache_store.py", "monai/data/shared_cache.py"):
+                self.assertIn(f, names)
+            self.assertIn(f'"version": "{build.VERSION}"', zf.read("monai/_version.py").decode())
+            self.assertIn(f"\nVersion: {build.VERSION}\n", zf.read(f"{info}/METADATA").decode())
+            self.assertIn("sync_runtime_cache", zf.read("monai/data/dataset.py").decode())
+            rows = list(csv.reader(io.StringIO(zf.read(f"{info}/RECORD").decode())))
+            self.assertEqual({r[0] for r in rows}, names)
+            for name, digest, size in rows:
+                if name.endswith("RECORD"):
+                    self.assertEqual((digest, size), ("", ""))
+                    continue
+                data = zf.read(name)
+                self.assertEqual(build._record_hash(data), digest, name)
+                self.assertEqual(int(size), len(data), name)
+            self.assertFalse([n for n in names if "1.6.1.dist-info" in n or "__pycache__" in n])
+
+    def test_reproducible(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            again = Path(tmp) / build.build_wheel(tmp)
+            self.assertEqual(again.read_bytes(), self.wheel.read_bytes())
+
+    def test_sdist(self):
+        name = build.build_sdist(self.tmp)
+        with tarfile.open(Path(self.tmp) / name) as tf:
+            names = tf.getnames()
+        base = f"monai-{build.VERSION}"
+        for member in ("PKG-INFO", "pyproject.toml", "build_backend/monai_sharedcache_build.py", "monai/data/cache_slots.py"):
+            self.assertIn(f"{base}/{member}", names)
+        self.assertTrue(any(n.startswith(f"{base}/patches/") for n in names))
+
+
+@unittest.skipIf(QUICK, "slow: builds and installs into a new venv")
+class TestInstall(unittest.TestCase):
+    def test_pip_install_into_venv(self):
+        """pip install --no-deps <checkout> into a venv that has torch; import, run a CacheDataset, uninstall."""
+        with tempfile.TemporaryDirectory() as tmp:
+            venv = Path(tmp) / "venv"
+            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+            py = str(venv / "bin" / "python")
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            src = Path(tmp) / "src"  # a copy without build/ output, as a fresh checkout has
+            shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns("build", "dist", ".git", "__pycache__"))
+            pip = [py, "-m", "pip", "--disable-pip-version-check", "-q"]
+            run = dict(env=env, capture_output=True, text=True, timeout=600)
+            proc = subprocess.run([*pip, "install", "--no-deps", str(src)], **run)
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            code = (
+                "import monai, os; from monai.data import CacheDataset; from monai.transforms import Compose, Lambda\n"
+                "ds = CacheDataset(list(range(6)), Compose([Lambda(lambda x: x * 2)]), runtime_cache='process')\n"
+                "assert [ds[i] for i in range(6)] == [0, 2, 4, 6, 8, 10]\n"
+                "assert os.path.dirname(monai.__file__).startswith(os.environ['VIRTUAL_ENV'])\n"
+                "print(monai.__version__)"
+            )
+            proc = subprocess.run([py, "-c", code], **{**run, "env": {**env, "VIRTUAL_ENV": str(venv)}}, cwd=tmp)
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            self.assertEqual(proc.stdout.strip(), build.VERSION)
+            # the venv seeds its own old setuptools, which torch may complain about: only monai's requirements count
+            proc = subprocess.run([py, "-m", "pip", "check"], **run)
+            self.assertNotIn("monai", (proc.stdout + proc.stderr).lower())
+            site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], **run)
+            purelib = Path(site.stdout.strip())
+            proc = subprocess.run([*pip, "uninstall", "-y", "monai"], **run)
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            self.assertEqual([p.name for p in purelib.iterdir() if p.name.lower().startswith("monai")], [])
+
+
+@unittest.skipIf(shutil.which("git") is None, "needs git")
+class TestExportPatch(unittest.TestCase):
+    def test_applies_to_unpacked_upstream(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = build.export_patch(Path(tmp) / "fork.patch")
+            text = out.read_text()
+            self.assertTrue(text.startswith("From "))
+            self.assertIn("new file mode", text)
+            self.assertIn("b/monai/data/cache_store.py", text)
+            self.assertIn("b/tests/data/test_cachedataset_runtime_cache.py", text)
+            self.assertNotIn("test_fork_", text)
+            tree = Path(tmp) / "upstream"
+            with zipfile.ZipFile(build.find_upstream_wheel()) as zf:
+                zf.extractall(tree)
+            proc = subprocess.run(["git", "apply", "--check", str(out)], cwd=tree, capture_output=True, text=True)
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            proc = subprocess.run(["git", "apply", str(out)], cwd=tree, capture_output=True, text=True)
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            self.assertIn("sync_runtime_cache", (tree / "monai/data/dataset.py").read_text())
+
+
+if __name__ == "__main__":
+    unittest.main()
