@@ -84,6 +84,7 @@ fi
 if [ $codeformat -eq 1 ]; then
     ensure_deps black isort flake8 mypy
     layout
+    # the upstream files our patches change, as paths inside the laid-out tree
     patched=$($PY - <<'PYFILES'
 import sys
 sys.path.insert(0, "build_backend")
@@ -91,16 +92,24 @@ import monai_sharedcache_build as b
 files = set()
 for p in b.patch_files(b.ROOT / b.PATCHES):
     files.update(fp.path for fp in b.parse_patch(p.read_text(), p.name))
-print(" ".join(f"build/tree/{f}" for f in sorted(files)))
+print(" ".join(sorted(files)))
 PYFILES
 )
-    ours="monai build_backend tests benchmarks examples"
-    $PY -m black --check --line-length 120 $ours $patched
-    $PY -m isort --check-only --settings-path setup.cfg $ours $patched
-    $PY -m flake8 --config setup.cfg $ours $patched
-    # mypy on the laid-out package, so that the overlay is checked against the real upstream modules
-    (cd "$TREE" && MYPYPATH=. $PY -m mypy --config-file ../../setup.cfg --follow-imports=silent \
-        $(cd ../.. && find monai -name '*.py' | sed 's|^|./|') $patched_rel 2>&1) | tail -n 25
+    overlay=$(find monai -name '*.py' | sort)
+    # our Python files: what git tracks or would track (generated output is git-ignored)
+    if git rev-parse --git-dir >/dev/null 2>&1; then
+        ours=$(git ls-files --cached --others --exclude-standard -- '*.py' | while read -r f; do [ -f "$f" ] && echo "$f"; done)
+    else
+        ours=$(find monai build_backend tests benchmarks examples docs -name '*.py' -not -path '*/output/*' \
+            -not -path '*/build/*' -not -path 'examples/data/*' 2>/dev/null)
+    fi
+    tree_patched=$(for f in $patched; do printf '%s ' "$TREE/$f"; done)
+    echo "== black";  $PY -m black --check --quiet --line-length 120 $ours $tree_patched
+    echo "== isort";  $PY -m isort --check-only --quiet --settings-path setup.cfg $ours $tree_patched
+    echo "== flake8"; $PY -m flake8 --config setup.cfg $ours $tree_patched
+    # mypy inside the laid-out package, so that the overlay is checked against the real upstream modules
+    echo "== mypy";   (cd "$TREE" && $PY -m mypy --config-file ../../setup.cfg $overlay $patched)
+    $PY -m mypy --config-file setup.cfg build_backend
     echo "codeformat: ok"
 fi
 

@@ -185,9 +185,7 @@ def parse_patch(text: str, patch_name: str) -> list[FilePatch]:
             new_lines: list[str] = []
             prev_tag = " "
             i += 1
-            while i < len(lines) and (
-                len(old_lines) < n_old or len(new_lines) < n_new or lines[i].startswith("\\")
-            ):
+            while i < len(lines) and (len(old_lines) < n_old or len(new_lines) < n_new or lines[i].startswith("\\")):
                 body = lines[i]
                 tag, content = body[:1], body[1:]
                 if tag == "\\":  # "\ No newline at end of file": the previous line has no newline
@@ -562,8 +560,10 @@ def export_patch(out: Path, src_root: Path = ROOT) -> Path:
                 dest = repo / UPSTREAM_TEST_DIR / test.name
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(test, dest)
-        message = (src_root / "docs" / "PR_TITLE.txt").read_text().strip() if (src_root / "docs" / "PR_TITLE.txt").is_file() else (
-            "CacheDataset: checked, resynced, content-keyed runtime cache shared across workers and ranks"
+        message = (
+            (src_root / "docs" / "PR_TITLE.txt").read_text().strip()
+            if (src_root / "docs" / "PR_TITLE.txt").is_file()
+            else ("CacheDataset: checked, resynced, content-keyed runtime cache shared across workers and ranks")
         )
         run("add", "-A")
         run("commit", "-q", "-m", message)

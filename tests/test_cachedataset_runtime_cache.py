@@ -247,7 +247,9 @@ class TestNeverWrongOrStale(ManagerTestCase):
     def test_set_data_between_epochs_workers(self, ctx):
         cache = self.manager.list()
         ds = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
-        for data in (DATA, [50 + i for i in range(12)]) if ctx == "spawn" else (DATA, [50 + i for i in range(12)], DATA[:3]):
+        for data in (
+            (DATA, [50 + i for i in range(12)]) if ctx == "spawn" else (DATA, [50 + i for i in range(12)], DATA[:3])
+        ):
             ds.set_data(data)
             loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=ctx, timeout=TIMEOUT)
             got = sorted(int(s) for batch in loader for s in batch["src"])
@@ -359,8 +361,7 @@ class TestValues(unittest.TestCase):
 
     def test_worker_warning_real(self):
         """A real DataLoader worker filling a private list prints the warning once (in the worker's stderr)."""
-        code = textwrap.dedent(
-            f"""
+        code = textwrap.dedent(f"""
             import sys
             sys.path.insert(0, {os.path.dirname(__file__)!r})
             from test_cachedataset_runtime_cache import DATA, make_transform
@@ -369,8 +370,7 @@ class TestValues(unittest.TestCase):
             out = sorted(int(s) for b in DataLoader(ds, batch_size=2, num_workers=1, timeout=60) for s in b["src"])
             assert out == DATA, out
             print("ok")
-            """
-        )
+            """)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
         self.assertEqual(proc.returncode, 0, proc.stderr)
         self.assertEqual(proc.stdout.strip(), "ok")

@@ -147,7 +147,12 @@ class TestArchives(unittest.TestCase):
         with tarfile.open(Path(self.tmp) / name) as tf:
             names = tf.getnames()
         base = f"monai-{build.VERSION}"
-        for member in ("PKG-INFO", "pyproject.toml", "build_backend/monai_sharedcache_build.py", "monai/data/cache_slots.py"):
+        for member in (
+            "PKG-INFO",
+            "pyproject.toml",
+            "build_backend/monai_sharedcache_build.py",
+            "monai/data/cache_slots.py",
+        ):
             self.assertIn(f"{base}/{member}", names)
         self.assertTrue(any(n.startswith(f"{base}/patches/") for n in names))
 

@@ -80,7 +80,12 @@ def upstream_windows(wheel: Path) -> dict[bytes, str]:
 
 def our_files() -> list[Path]:
     try:
-        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, check=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
         files = [ROOT / f for f in out.decode().split("\0") if f]
     except (OSError, subprocess.CalledProcessError):  # not a git checkout (an sdist): every file but build output
         files = [p for p in ROOT.rglob("*") if p.is_file() and not {"build", "dist", ".git"} & set(p.parts)]
