@@ -98,7 +98,8 @@ PYFILES
     overlay=$(find monai -name '*.py' | sort)
     # our Python files: what git tracks or would track (generated output is git-ignored)
     if git rev-parse --git-dir >/dev/null 2>&1; then
-        ours=$(git ls-files --cached --others --exclude-standard -- '*.py' | while read -r f; do [ -f "$f" ] && echo "$f"; done)
+        ours=$(git ls-files --cached --others --exclude-standard -- '*.py' |
+            while read -r f; do [ -f "$f" ] && echo "$f"; done)
     else
         ours=$(find monai build_backend tests benchmarks examples docs -name '*.py' -not -path '*/output/*' \
             -not -path '*/build/*' -not -path 'examples/data/*' 2>/dev/null)

@@ -224,10 +224,11 @@ def apply_file_patch(fp: FilePatch, original: str | None, patch_name: str) -> st
         if at < pos or src[at : at + len(old_lines)] != old_lines:
             found = src[at : at + len(old_lines)]
             first_bad = next((k for k, (a, b) in enumerate(zip(found, old_lines)) if a != b), len(found))
+            expected = old_lines[first_bad] if first_bad < len(old_lines) else "<end of file>"
+            actual = found[first_bad] if first_bad < len(found) else "<end of file>"
             raise BuildError(
                 f"patch {patch_name} does not apply to {fp.path}: hunk #{n} (@@ -{start},{len(old_lines)} @@) "
-                f"expects at line {at + first_bad + 1}:\n  {old_lines[first_bad] if first_bad < len(old_lines) else '<end of file>'!r}\n"
-                f"but upstream has:\n  {found[first_bad] if first_bad < len(found) else '<end of file>'!r}\n"
+                f"expects at line {at + first_bad + 1}:\n  {expected!r}\nbut upstream has:\n  {actual!r}\n"
                 "The upstream file has drifted; refresh the patch (see README: 'Editing an upstream file')."
             )
         out.extend(src[pos:at])

@@ -582,8 +582,9 @@ class SharedCacheStore(CacheSlots):
 
     Lifetime:
         Each participating process (``participate=True``) keeps a liveness marker
-        ``.live-<pid>-<start time>-<pid namespace>-<random>`` in the directory (one per store object). :py:meth:`close` (called at exit too) removes the marker of this process and, if no marker
-        of a live process remains, the directory. Only the process that registered acts: a forked DataLoader worker
+        ``.live-<pid>-<start time>-<pid namespace>-<random>`` in the directory (one per store object).
+        :py:meth:`close` (called at exit too) removes the marker of this process and, if no marker of a live process
+        remains, the directory. Only the process that registered acts: a forked DataLoader worker
         that inherits the store never removes anything. Directories of crashed runs are removed by
         :py:meth:`cleanup_leftovers`, which every new store runs on its root. A directory without any marker of a
         live process (for example one used only by non-participating processes) counts as a leftover once it has

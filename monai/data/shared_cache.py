@@ -1,0 +1,244 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+One runtime cache per node for the ranks of a distributed job: :py:func:`create_shared_cache`.
+
+``CacheDataset`` never talks to other ranks (a dataset constructor that makes hidden collective calls deadlocks as
+soon as one rank builds its datasets in another order, or not at all; see MONAI issues #5365 and #5630). Sharing a
+cache between the ranks of a node is therefore set up explicitly, once, by the collective call of this module, and
+the store it returns is passed to ``CacheDataset(..., runtime_cache=store)``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from monai.data.cache_store import SharedCacheStore
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["create_shared_cache"]
+
+#: environment variable naming the node of this process (default: the host name), see :py:func:`create_shared_cache`
+NODE_ID_ENV = "MONAI_CACHE_NODE_ID"
+
+_OK, _ERROR = "ok", "error"
+
+
+def _node_identity(node_id: str | None) -> str:
+    """The node of this process: ``node_id``, else ``$MONAI_CACHE_NODE_ID``, else the host name."""
+    if node_id is not None:
+        return str(node_id)
+    return os.environ.get(NODE_ID_ENV) or socket.gethostname()
+
+
+def _is_world(group: ProcessGroup | None) -> bool:
+    return group is None or group is dist.GroupMember.WORLD
+
+
+def _object_collectives_on_cpu(group: ProcessGroup | None) -> bool:
+    """Whether ``all_gather_object`` over ``group`` runs on the CPU (a ``cpu:`` backend such as gloo), not on a GPU."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except Exception:
+        return False
+    return any(part.strip().startswith("cpu:") for part in config.split(","))
+
+
+def _exchange_group(group: ProcessGroup | None, timeout: float | None) -> tuple[ProcessGroup | None, bool]:
+    """
+    The group to exchange the small messages of :py:func:`create_shared_cache` over, and whether it was created here
+    (and must be destroyed after use). Must be called by every rank of ``group`` (and of the world if it is the world).
+    """
+    span = None if timeout is None else timedelta(seconds=timeout)
+    if _is_world(group):
+        if timeout is None and _object_collectives_on_cpu(group):
+            return group, False
+        if dist.is_gloo_available():
+            # every rank of the world is here, so a short-lived gloo group can be made: it needs no CUDA device and
+            # bounds every wait of the exchange by `timeout`
+            return dist.new_group(backend="gloo", timeout=span), True
+        if timeout is not None:
+            raise ValueError("create_shared_cache: `timeout` needs the gloo backend, which this PyTorch lacks.")
+        return group, False  # object collectives on the current CUDA device, see the docstring
+    if timeout is not None:
+        # a subgroup: creating a group would need every rank of the world, so bound the only unbounded wait (for
+        # the ranks to arrive) with a monitored barrier; after it, the exchange waits at most the group's timeout
+        if str(dist.get_backend(group)) != "gloo":
+            raise ValueError(
+                f"create_shared_cache: `timeout` with a subgroup needs a gloo group, got backend "
+                f"{dist.get_backend(group)!r}; pass a gloo subgroup, e.g. dist.new_group(ranks, backend='gloo', "
+                "timeout=...), or group=None."
+            )
+        dist.monitored_barrier(group=group, timeout=span, wait_all_ranks=True)
+    return group, False
+
+
+def _all_gather(obj: Any, group: ProcessGroup | None) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _failures(nodes: list[str], outcomes: list[Any]) -> list[str]:
+    """``"rank r (node n): error"`` for every outcome that is an error marker."""
+    return [
+        f"rank {r} (node {nodes[r]!r}): {o[1]}"
+        for r, o in enumerate(outcomes)
+        if isinstance(o, tuple) and len(o) == 2 and o[0] == _ERROR
+    ]
+
+
+def create_shared_cache(
+    group: ProcessGroup | None = None,
+    *,
+    path: str | os.PathLike | None = None,
+    node_id: str | None = None,
+    timeout: float | None = None,
+) -> SharedCacheStore:
+    """
+    Create one :py:class:`~monai.data.cache_store.SharedCacheStore` per node for the ranks of ``group``: the ranks
+    of a node (and their DataLoader workers) share one cache, so every item is computed once per node and held once
+    in its memory. Pass the store to ``CacheDataset(data, transform, runtime_cache=store)`` on every rank.
+
+    .. warning::
+
+        **This is a collective call.** Every rank of ``group`` must call it, once, in the same order relative to
+        the other collective calls of that group (and, with ``group=None``, of the world). A rank that does not
+        call it makes the others wait (until ``timeout``, if given). This is deliberate: a dataset constructor must
+        not make hidden collective calls, which deadlock as soon as the ranks build their datasets in different
+        orders or one rank builds none (MONAI issues #5365 and #5630), so ``CacheDataset`` never contacts other
+        ranks and this function is the one explicit place where the ranks agree on a cache.
+
+    How it works: the ranks exchange their node identities (small Python objects over ``all_gather_object``, so
+    any backend works); the lowest rank of each node creates a new store (``SharedCacheStore(root=path)``, a private
+    ``0o700`` directory ``monai-cache-*``, which also removes the leftovers of crashed runs in that root); its path
+    is exchanged and the other ranks of the node attach to it; a last exchange makes sure every rank has registered
+    before any rank returns. No cache data crosses nodes: only node identities, paths and error messages are sent.
+
+    Lifetime: every rank participates in the store. The directory is removed when the last rank of the node that
+    uses it calls ``store.close()`` or exits (also at garbage collection of the store); a rank that finishes early
+    does not pull the cache from under the others. DataLoader workers receive the store with the dataset and never
+    remove it.
+
+    Without ``torch.distributed`` (not available, or no process group initialized) this is a local store, as
+    ``runtime_cache="process"`` makes, owned by this process.
+
+    Backends: with ``group=None`` (the world) and a GPU-only backend such as nccl, or with a ``timeout``, the
+    exchange runs over a short-lived gloo group created and destroyed here (so no CUDA device is needed). For a
+    subgroup without a CPU backend, ``all_gather_object`` runs on ``torch.cuda.current_device()``: set each rank's
+    device (``torch.cuda.set_device(local_rank)``) before calling, as for any object collective with nccl.
+
+    Args:
+        group: the process group whose ranks share caches by node; ``None`` for the world. The caller must be a
+            member of it.
+        path: the directory in which each node's store directory is created (only the value given on the lowest
+            rank of each node is used); ``None`` for ``/dev/shm``, or the system's temporary directory where there
+            is no ``/dev/shm``. Every rank of a node must see the same file system there.
+        node_id: the identity of this process's node; ranks with the same identity share one store, so they must
+            run on one machine (and see the same ``path``). Defaults to the environment variable
+            ``MONAI_CACHE_NODE_ID`` if set, else ``socket.gethostname()``.
+        timeout: bound, in seconds, on every wait of the exchange, such as for a rank that never calls this function;
+            ``None`` waits as long as the group's own timeout. With ``group=None`` every exchange runs over a new
+            gloo group with this timeout. With a subgroup, which must then be a gloo group, a
+            ``monitored_barrier`` with this timeout waits for the ranks to arrive, and the rest of the exchange (which
+            then only waits for ranks that are already inside this function) is bounded by the group's own timeout.
+
+    Returns:
+        this rank's handle of its node's store, registered as a participant. Pass it as ``runtime_cache``, and
+        optionally call ``close()`` on it when the rank no longer needs the cache.
+
+    Raises:
+        ValueError: ``timeout`` is not positive, this process is not a member of ``group``, or ``timeout`` is given
+            with a subgroup that is not a gloo group.
+        RuntimeError: on every rank, if the store of any node could not be created or any rank could not attach to
+            its node's store (for example because ranks on different machines report the same node identity); the
+            message names the ranks and errors. Errors of the collectives themselves (such as a timeout) are raised
+            as ``torch.distributed`` raises them.
+        FileNotFoundError, PermissionError: without ``torch.distributed``, if the store cannot be created in ``path``.
+
+    Example:
+        .. code-block:: python
+
+            import torch.distributed as dist
+            from monai.data import CacheDataset, DataLoader, create_shared_cache
+            from torch.utils.data.distributed import DistributedSampler
+
+            dist.init_process_group("gloo")  # e.g. under torchrun
+            store = create_shared_cache()  # collective: every rank calls it, once
+            ds = CacheDataset(data, transform, runtime_cache=store)  # makes no collective call
+            loader = DataLoader(ds, batch_size=2, num_workers=2, sampler=DistributedSampler(ds))
+            for epoch in range(epochs):
+                loader.sampler.set_epoch(epoch)
+                for batch in loader:
+                    ...
+            store.close()  # optional: the node's cache is removed when its last rank closes or exits
+    """
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
+    if not (dist.is_available() and dist.is_initialized()):
+        return SharedCacheStore(root=path)
+    if dist.get_rank(group) < 0:
+        raise ValueError("create_shared_cache: this process is not a member of `group`.")
+    node = _node_identity(node_id)
+    exchange, made_here = _exchange_group(group, timeout)
+    store: SharedCacheStore | None = None
+    try:
+        # 1. which rank is on which node; the lowest rank of each node creates its store
+        nodes = _all_gather(node, exchange)
+        me = dist.get_rank(exchange)
+        creator = min(r for r, n in enumerate(nodes) if n == node)
+        created: tuple[str, str] | None = None
+        if me == creator:
+            try:
+                store = SharedCacheStore(root=path)
+                created = (_OK, store.path)
+            except Exception as err:  # every rank must learn of it, and none may hang waiting for a path
+                created = (
+                    _ERROR,
+                    f"cannot create a store in {path or 'the default root'}: {type(err).__name__}: {err}",
+                )
+        # 2. the path of every node's store (or an error marker); a failure anywhere fails every rank alike
+        outcomes = _all_gather(created, exchange)
+        failed = _failures(nodes, outcomes)
+        if failed:
+            raise RuntimeError("create_shared_cache failed on every rank: " + "; ".join(failed))
+        attached: tuple[str, str] = (_OK, "")
+        if me != creator:
+            try:
+                store = SharedCacheStore(outcomes[creator][1], participate=True)
+            except Exception as err:
+                attached = (
+                    _ERROR,
+                    f"cannot attach to {outcomes[creator][1]!r} made by rank {creator}: {type(err).__name__}: {err} "
+                    f"(ranks with one node identity must run on one machine and see the same "
+                    f"{os.path.dirname(outcomes[creator][1])}; set node_id or ${NODE_ID_ENV} to tell machines apart)",
+                )
+        # 3. every rank has registered as a participant before any rank returns (and may close)
+        failed = _failures(nodes, _all_gather(attached, exchange))
+        if failed:
+            raise RuntimeError("create_shared_cache failed on every rank: " + "; ".join(failed))
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    finally:
+        if made_here:
+            dist.destroy_process_group(exchange)
+    if store is None:  # unreachable: every rank either created or attached, or raised
+        raise RuntimeError("create_shared_cache: no store was created or attached.")
+    return store
