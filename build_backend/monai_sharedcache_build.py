@@ -570,6 +570,21 @@ def export_patch(out: Path, src_root: Path = ROOT) -> Path:
         run("commit", "-q", "-m", message)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(run("format-patch", "-1", "--stdout", "--no-signature", "HEAD"))
+        diffstat = run("diff", "--stat=100", "HEAD~1", "HEAD").rstrip()
+    write_pr_description(out.parent / "PR.md", diffstat, src_root)
+    return out
+
+
+def write_pr_description(out: Path, diffstat: str, src_root: Path = ROOT) -> Path:
+    """Fill ``docs/pr/PR.md.in`` with the version, the latest benchmark table and the diffstat."""
+    template = (src_root / "docs" / "pr" / "PR.md.in").read_text(encoding="utf-8")
+    results = src_root / "benchmarks" / "output" / "results.md"
+    if results.is_file():
+        bench = results.read_text(encoding="utf-8").strip()
+    else:
+        bench = "No benchmark run yet in this checkout: `python benchmarks/bench_cache.py` writes the table."
+    text = template.replace("{{VERSION}}", VERSION).replace("{{BENCHMARK}}", bench).replace("{{DIFFSTAT}}", diffstat)
+    out.write_text(text, encoding="utf-8")
     return out
 
 

@@ -400,6 +400,34 @@ class TestZeroCopy(_TempRootMixin):
         return found
 
     @skip_unless_linux
+    @unittest.skipIf(sys.version_info >= (3, 13), "mappings are made by mmap.mmap, which is not pooled")
+    def test_unwritten_mapping_is_reused_written_one_never(self) -> None:
+        store = self.new_store()
+        store.put(0, "k", torch.arange(100_000))
+        t = store.get(0, "k")
+        address = t.data_ptr()
+        del t
+        gc.collect()
+        t = store.get(0, "k")  # the mapping (and its page tables) of the same unchanged file is taken over
+        self.assertEqual(t.data_ptr(), address)
+        self.assertEqual(int(t[5]), 5)
+        t[5] = -7  # written: this mapping must never be handed to another reader
+        del t
+        gc.collect()
+        self.assertEqual(self._mapped_files(address), [])
+        t = store.get(0, "k")
+        self.assertEqual(int(t[5]), 5)
+        self.assertTrue(torch.equal(t, torch.arange(100_000)))
+        other = store.get(0, "k")  # a second reader while the first is alive gets its own mapping
+        self.assertNotEqual(other.data_ptr(), t.data_ptr())
+        store.put(0, "k", torch.arange(100_000) * 2)  # replaced: a kept mapping of the old file is not reused
+        address = t.data_ptr()
+        del t, other
+        gc.collect()
+        self.assertEqual(self._mapped_files(address), [])
+        self.assertEqual(int(store.get(0, "k")[3]), 6)
+
+    @skip_unless_linux
     def test_large_items_are_views_of_a_private_mapping(self) -> None:
         store = self.new_store()
         store.put(0, "k", {"t": torch.arange(100_000, dtype=torch.float32), "a": np.arange(50_000.0)})

@@ -211,6 +211,22 @@ class TestExportPatch(unittest.TestCase):
             proc = subprocess.run(["git", "apply", str(out)], cwd=tree, capture_output=True, text=True)
             self.assertEqual(proc.returncode, 0, proc.stderr)
             self.assertIn("sync_runtime_cache", (tree / "monai/data/dataset.py").read_text())
+            if QUICK:
+                return
+            # our tests, at MONAI's test paths, pass against the patched upstream tree
+            env = {**os.environ, "PYTHONPATH": str(tree), "QUICKTEST": "1"}
+            tests = [
+                str(tree / "tests/data/test_cachedataset_runtime_cache.py"),
+                str(tree / "tests/data/test_cache_store.py"),
+            ]
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
+            cmd += ["-k", "not Distributed and not dataloader_workers and not between_epochs and not real"]
+            proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+            self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
+            self.assertRegex(proc.stdout, r"\d+ passed")
+            code = "import monai.data, sys; sys.stdout.write(monai.data.__file__)"
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+            self.assertTrue(out.stdout.startswith(str(tree)), out.stdout + out.stderr)
 
 
 if __name__ == "__main__":

@@ -453,34 +453,130 @@ def _libc() -> Any:
     return _LIBC
 
 
-class _PrivateMapping:
-    """Owner of a ``MAP_PRIVATE`` file mapping made through libc; unmapped when the last array viewing it is gone."""
+class _MappingPool:
+    """
+    Private mappings of item files that a later read in this process may take over, with their page tables.
 
-    def __init__(self, libc: Any, addr: int, size: int) -> None:
-        self._libc, self._addr, self._size = libc, addr, size
+    A fresh mapping costs a page fault for every page a reader touches, and an ``munmap`` at the end; for a random
+    crop of a large image that is most of a hit's cost. A mapping whose views are all gone, and whose pages were
+    never written (no copy-on-write page in ``/proc/self/pagemap``), still holds exactly the file's content, so the
+    next read of the same file (same device, inode, size and modification time) reuses it: no new faults, no unmap.
+    A written mapping, or one that cannot be checked (no pagemap), is unmapped as before, so every reader still gets
+    a private, pristine copy. The pool is per process and bounded; a kept mapping whose file was removed or replaced
+    since is dropped at this process's next release, so that it does not pin the removed file's pages for long.
+    """
+
+    MAX_MAPPINGS = 32
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple, list[tuple[int, int]]] = {}
+        self._order: list[tuple[tuple, int, int]] = []  # oldest first, for eviction
+
+    def take(self, ident: tuple) -> int | None:
+        with self._lock:
+            free = self._free.get(ident)
+            if not free:
+                return None
+            addr, size = free.pop()
+            self._order.remove((ident, addr, size))
+            return addr
+
+    def give_back(self, libc: Any, ident: tuple | None, addr: int, size: int) -> None:
+        """Keep an unwritten mapping of a file that still exists for reuse; unmap anything else."""
+        if ident is None or not _is_current(ident) or not _pristine(addr, size):
+            libc.munmap(addr, size)
+            return
+        evicted = []
+        with self._lock:
+            self._free.setdefault(ident, []).append((addr, size))
+            self._order.append((ident, addr, size))
+            # a kept mapping of a removed or replaced file would pin its pages: drop those, then the oldest
+            keep = [entry for entry in self._order if _is_current(entry[0])][-self.MAX_MAPPINGS :]
+            for entry in self._order:
+                if entry not in keep:
+                    self._free[entry[0]].remove(entry[1:])
+                    evicted.append(entry[1:])
+            self._order = keep
+        for old_addr, old_size in evicted:
+            libc.munmap(old_addr, old_size)
+
+    def reset_lock(self) -> None:
+        """After a fork: the lock may have been held by a thread that does not exist in the child."""
+        self._lock = threading.Lock()
+
+
+_POOL = _MappingPool()
+if hasattr(os, "register_at_fork"):  # a forked child keeps its own, still private, copies of the mappings
+    os.register_at_fork(after_in_child=_POOL.reset_lock)
+_PAGE = mmap.PAGESIZE
+
+
+def _is_current(ident: tuple) -> bool:
+    """Whether the file a mapping was made of, ``(path, device, inode, size, mtime)``, is still at its path."""
+    path, dev, ino, size, mtime = ident
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (dev, ino, size, mtime)
+
+
+def _pristine(addr: int, size: int) -> bool:
+    """Whether no page of the private mapping ``[addr, addr+size)`` was written (Linux pagemap); False if unknown."""
+    first, count = addr // _PAGE, (size + _PAGE - 1) // _PAGE
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        data = os.pread(fd, count * 8, first * 8)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if len(data) != count * 8:
+        return False
+    entries = np.frombuffer(data, dtype=np.uint64)
+    present_or_swapped = (entries >> np.uint64(62)) != 0  # bit 63 present, bit 62 swapped
+    file_page = ((entries >> np.uint64(61)) & np.uint64(1)) != 0  # bit 61: page of the file, not a private copy
+    return not bool(np.any(present_or_swapped & ~file_page))
+
+
+class _PrivateMapping:
+    """Owner of a ``MAP_PRIVATE`` file mapping made through libc; recycled or unmapped when its last view is gone."""
+
+    def __init__(self, libc: Any, addr: int, size: int, ident: tuple | None) -> None:
+        self._libc, self._addr, self._size, self._ident = libc, addr, size, ident
         self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (addr, False), "version": 3}
 
     def __del__(self) -> None:
         try:
-            self._libc.munmap(self._addr, self._size)
+            _POOL.give_back(self._libc, self._ident, self._addr, self._size)
         except Exception:
             pass
 
 
-def _map_private(fd: int, size: int) -> memoryview:
-    """A writable, private, copy-on-write mapping of the whole file ``fd``; the caller may close ``fd`` at once."""
+def _map_private(fd: int, size: int, ident: tuple | None = None) -> memoryview:
+    """
+    A writable, private, copy-on-write mapping of the whole file ``fd``; the caller may close ``fd`` at once.
+
+    ``ident`` (path, device, inode, size, modification time) lets an unwritten mapping of the same file be reused.
+    """
     if sys.version_info >= (3, 13):
         kwargs: dict[str, Any] = {"trackfd": False}
         return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY, **kwargs))
     libc = _libc()
     if libc is None:  # e.g. Windows: the mapping keeps a handle of its own
         return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
-    prot = mmap.PROT_READ | mmap.PROT_WRITE  # type: ignore[attr-defined]
-    addr = libc.mmap(None, size, prot, mmap.MAP_PRIVATE, fd, 0)  # type: ignore[attr-defined]
-    if addr is None or addr == ctypes.c_void_p(-1).value:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return memoryview(cast(Any, np.asarray(_PrivateMapping(libc, addr, size))))
+    addr = _POOL.take(ident) if ident is not None else None
+    if addr is None:
+        prot = mmap.PROT_READ | mmap.PROT_WRITE  # type: ignore[attr-defined]
+        addr = libc.mmap(None, size, prot, mmap.MAP_PRIVATE, fd, 0)  # type: ignore[attr-defined]
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    return memoryview(cast(Any, np.asarray(_PrivateMapping(libc, addr, size, ident))))
 
 
 def _read_small(fd: int, size: int) -> memoryview:
@@ -509,7 +605,7 @@ def _read_file(path: str) -> tuple[memoryview, int]:
         st = os.fstat(fd)
         if st.st_size < _SMALL_FILE:
             return _read_small(fd, st.st_size), st.st_ino
-        return _map_private(fd, st.st_size), st.st_ino
+        return _map_private(fd, st.st_size, (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)), st.st_ino
     finally:
         os.close(fd)
 
@@ -566,6 +662,9 @@ class SharedCacheStore(CacheSlots):
 
         Every :py:meth:`get` returns a new object graph over its own private mapping, so a caller may modify an item
         in place (as random transforms do) without affecting the cache or any other reader.
+        When all views of a mapping are gone and none of its pages was written (checked in ``/proc/self/pagemap``),
+        the process keeps the mapping, with its page tables, for the next read of the same unchanged file: repeated
+        hits of an item then cost no new page faults and no ``munmap``. A written mapping is always unmapped.
         ``reads_are_private`` is therefore ``True``, and ``CacheDataset`` skips its deepcopy of cached items.
 
     Claims:
