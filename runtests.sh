@@ -25,7 +25,7 @@ usage: ./runtests.sh [--unittests] [--quick] [--codeformat] [--docs] [--export-p
                   installs what requirements-dev.txt lists if it is missing (install torch for your machine first)
   --quick         with --unittests: skip the slow tests (also sets QUICKTEST=1, as in MONAI)
   --codeformat    black (120), isort, flake8 and mypy on the overlay, build backend, tests and patched files
-  --docs          build the Sphinx docs with warnings as errors (docs/build/html)
+  --docs          build the Sphinx docs with warnings as errors (docs/build/html) and run every recipe of the guide
   --export-patch  write dist/monai-<version>.patch (git format, against upstream) and dist/PR.md
   --build         build the wheel and sdist into dist/
   --clean         remove build/, dist/ and caches
@@ -117,7 +117,9 @@ fi
 if [ $docs -eq 1 ]; then
     ensure_deps sphinx
     layout
-    PYTHONPATH="$PWD/$TREE" $PY -m sphinx -W --keep-going -b html docs/source docs/build/html
+    PYTHONPATH="$PWD/$TREE" $PY -m sphinx -W --keep-going -q -b html docs/source docs/build/html
+    echo "docs: built docs/build/html; running every recipe of the guide"
+    $PY docs/run_recipes.py
 fi
 
 if [ $export -eq 1 ]; then

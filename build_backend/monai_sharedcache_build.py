@@ -359,8 +359,12 @@ def layout(dest: Path, config_settings: dict | None = None, src_root: Path = ROO
             apply_patch(tmp, patch)
         set_version(tmp)
         (tmp / ".stamp").write_text(input_digest(src_root) + "\n")
-        shutil.rmtree(dest, ignore_errors=True)
+        # swap the trees with two renames, so that a process importing from `dest` meanwhile hardly sees a gap
+        old = dest.with_name(dest.name + f".old{os.getpid()}")
+        if dest.exists():
+            os.replace(dest, old)
         os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
@@ -556,6 +560,13 @@ def export_patch(out: Path, src_root: Path = ROOT) -> Path:
             shutil.copyfile(src_root / rel, repo / rel)
         for patch in patch_files(src_root / PATCHES):
             apply_patch(repo, patch)
+        # our docs pages and recipes, beside MONAI's (its own conf.py and index.rst stay)
+        docs = src_root / "docs" / "source"
+        for page in sorted(docs.rglob("*")) if docs.is_dir() else []:
+            if page.is_file() and page.name not in ("conf.py", "index.rst") and "__pycache__" not in page.parts:
+                dest = repo / "docs" / "source" / page.relative_to(docs)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(page, dest)
         for test in sorted((src_root / "tests").glob("test_*.py")):
             if not test.name.startswith(FORK_ONLY_TESTS):
                 dest = repo / UPSTREAM_TEST_DIR / test.name

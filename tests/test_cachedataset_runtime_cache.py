@@ -63,6 +63,16 @@ class RandAdd(RandomizableTransform):
         return d
 
 
+class Scale(Transform):
+    """A second deterministic transform, to make cached content that differs for the same input."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def __call__(self, d):
+        return {**d, "img": d["img"] * self.factor}
+
+
 def make_transform(log: str | None = None) -> Compose:
     return Compose([Load(log), RandAdd()])
 
@@ -271,6 +281,22 @@ class TestNeverWrongOrStale(ManagerTestCase):
             for i in range(10):
                 check_item(self, a[i], DATA[i])
                 check_item(self, b[i], 20 + i)
+
+    @parameterized.expand([("list",), ("listproxy",), ("process",)])
+    def test_same_data_other_transforms_share_a_container(self, kind):
+        """A training and a validation dataset over the same inputs, one cache: each gets its own transforms' items."""
+        cache = self.container(kind)
+        if kind == "process":
+            from monai.data.cache_store import SharedCacheStore
+
+            cache = SharedCacheStore()
+            self.addCleanup(cache.close)
+        train = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
+        val = CacheDataset(DATA, Compose([Load(), Scale(10.0), RandAdd()]), runtime_cache=cache, progress=False)
+        for _ in range(2):
+            for i in range(10):
+                check_item(self, train[i], DATA[i])
+                self.assertTrue(torch.equal(val[i]["img"], torch.full((3, 4), 10.0 * DATA[i])), i)
 
     def test_other_process_set_data(self):
         """A child process calls set_data with other data on the shared container; the parent stays right."""

@@ -203,6 +203,8 @@ class TestExportPatch(unittest.TestCase):
             self.assertIn("b/monai/data/cache_store.py", text)
             self.assertIn("b/tests/data/test_cachedataset_runtime_cache.py", text)
             self.assertNotIn("test_fork_", text)
+            self.assertIn("b/docs/source/caching_guide.rst", text)
+            self.assertNotIn("b/docs/source/conf.py", text)
             tree = Path(tmp) / "upstream"
             with zipfile.ZipFile(build.find_upstream_wheel()) as zf:
                 zf.extractall(tree)

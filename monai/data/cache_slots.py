@@ -18,7 +18,9 @@ it was stored under the very same key, so that an item computed for other data i
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import threading
 import uuid
 import warnings
@@ -149,7 +151,11 @@ class CacheSlots(ABC):
 
 
 class CacheEntry(NamedTuple):
-    """What a list-like runtime cache holds in a filled slot: the content key of the input and the cached item."""
+    """
+    What a list-like runtime cache holds in a filled slot: the slot key and the cached item.
+
+    The key is the content key of the input item (``hash_func(data[i])``) and a fingerprint of the cached transforms.
+    """
 
     key: str
     item: Any
@@ -262,7 +268,7 @@ class ListSlots(CacheSlots):
         except _FAULTS as e:
             self._fault("resize", e)
             return
-        except (TypeError, AttributeError, NotImplementedError) as e:
+        except (TypeError, AttributeError, NotImplementedError, ValueError) as e:
             raise ValueError(
                 f"runtime_cache container of type {type(self.container).__name__} has length {cur} and cannot be "
                 f"resized in place to cache_num={n} ({type(e).__name__}: {e}); it must support slice assignment "
@@ -366,11 +372,42 @@ def content_key(hash_func: Callable[..., Any], item: Any) -> str:
     return str(key)
 
 
+def transform_fingerprint(ds: CacheDataset) -> str:
+    """
+    A digest of the deterministic transforms whose result ``ds`` caches (those before the first random one).
+
+    It is part of every slot key, so that datasets sharing one cache with other cached transforms (a training and a
+    validation dataset, say) never read each other's items. It is computed from the pickled transforms, so every
+    process that builds the same transforms gets the same fingerprint and shares the items. Transforms that cannot
+    be pickled get a fingerprint unique to this dataset object: still correct, only not shared with other processes
+    that build their own dataset (forked DataLoader workers inherit it and do share).
+    """
+    from monai.transforms import RandomizableTrait, Transform
+
+    transform = ds.transform
+    first_random = transform.get_index_of_first(
+        lambda t: isinstance(t, RandomizableTrait) or not isinstance(t, Transform)
+    )
+    cached = transform.transforms[:first_random]
+    try:
+        blob = pickle.dumps([type(t) for t in cached] + list(cached), protocol=4)
+    except Exception as e:
+        warnings.warn(
+            f"CacheDataset: the cached transforms cannot be pickled ({type(e).__name__}: {e}); the runtime cache is "
+            "used by this dataset (and its forked DataLoader workers) only, not shared with other processes.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return uuid.uuid4().hex[:16]
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def sync_runtime_cache(ds: CacheDataset, indices: Sequence[int], keys: Sequence[Any] | None = None) -> None:
     """
     Size, key and resync the runtime cache of ``ds`` for its current data; called by ``CacheDataset.set_data``.
 
-    Slot ``s`` caches ``ds.data[indices[s]]`` under the key ``hash_func(ds.data[indices[s]])``. The same container is
+    Slot ``s`` caches ``ds.data[indices[s]]`` under the key ``hash_func(ds.data[indices[s]])`` plus a fingerprint of
+    the cached transforms (:py:func:`transform_fingerprint`). The same container is
     resized in place to ``len(indices)`` and the slots whose key changed are emptied, so that every process sharing
     the container sees the change. No other process is contacted beyond the container itself.
 
@@ -394,6 +431,8 @@ def sync_runtime_cache(ds: CacheDataset, indices: Sequence[int], keys: Sequence[
             )
             token = uuid.uuid4().hex
             keys = [f"nokey-{token}-{i}" for i in range(len(indices))]
+    tag = transform_fingerprint(ds)
+    keys = [f"{k}-{tag}" for k in keys]
     old_keys: Sequence[str] = getattr(ds, "_slot_keys", None) or []
     if slots is not getattr(ds, "_slots", None):
         old_keys = []
