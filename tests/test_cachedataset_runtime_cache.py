@@ -298,6 +298,45 @@ class TestNeverWrongOrStale(ManagerTestCase):
                 check_item(self, train[i], DATA[i])
                 self.assertTrue(torch.equal(val[i]["img"], torch.full((3, 4), 10.0 * DATA[i])), i)
 
+    def test_fingerprint_of_lambdas(self):
+        """Lambdas in the cached transforms: same code and closure values share, anything else does not."""
+        from monai.data.cache_slots import transform_fingerprint
+        from monai.transforms import Lambda
+
+        def fp(transforms):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no "cannot be pickled" fallback for lambdas
+                return transform_fingerprint(CacheDataset([], Compose(transforms), runtime_cache=True))
+
+        def scaled(factor):
+            return Lambda(lambda x: x * factor)
+
+        self.assertEqual(fp([Lambda(lambda x: x + 1)]), fp([Lambda(lambda x: x + 1)]))
+        self.assertNotEqual(fp([Lambda(lambda x: x + 1)]), fp([Lambda(lambda x: x + 2)]))
+        self.assertEqual(fp([scaled(2)]), fp([scaled(2)]))
+        self.assertNotEqual(fp([scaled(2)]), fp([scaled(3)]))
+        self.assertNotEqual(fp([Load()]), fp([Load(), Scale(2.0)]))
+        self.assertEqual(fp([Load(), RandAdd(), Scale(2.0)]), fp([Load(), RandAdd(), Scale(3.0)]))  # not cached
+
+    def test_fingerprint_same_in_another_process(self):
+        """A fresh interpreter (another rank) computes the same fingerprint for the same pipeline with a lambda."""
+        code = textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            from test_cachedataset_runtime_cache import fingerprint_with_lambda
+            print(fingerprint_with_lambda())
+            """
+        )
+        outs = [
+            subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
+            for _ in range(2)
+        ]
+        for out in outs:
+            self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(outs[0].stdout, outs[1].stdout)
+        self.assertEqual(outs[0].stdout.strip(), fingerprint_with_lambda())
+
     def test_other_process_set_data(self):
         """A child process calls set_data with other data on the shared container; the parent stays right."""
         cache = self.manager.list()
@@ -334,6 +373,15 @@ class TestNeverWrongOrStale(ManagerTestCase):
         ds = CacheDataset([{"id": i} for i in range(5)], make_transform(), hash_as_key=True, progress=False)
         ds._hash_keys = None  # a linear search over the key list would fail now
         check_item(self, ds[3], 3)
+
+
+def fingerprint_with_lambda() -> str:
+    from monai.data.cache_slots import transform_fingerprint
+    from monai.transforms import Lambdad
+
+    offset = {"a": 1.5}
+    pipeline = Compose([Load(), Lambdad("img", lambda x: x + offset["a"]), Scale(2.0), RandAdd()])
+    return transform_fingerprint(CacheDataset([], pipeline, runtime_cache=True))
 
 
 def _set_data_child(cache):

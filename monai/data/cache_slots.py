@@ -21,7 +21,9 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import io
 import threading
+import types
 import uuid
 import warnings
 from abc import ABC, abstractmethod
@@ -372,6 +374,27 @@ def content_key(hash_func: Callable[..., Any], item: Any) -> str:
     return str(key)
 
 
+def _function_identity(*parts: Any) -> tuple:
+    """Stands in for a function in a fingerprint (never called: fingerprints are only hashed, never unpickled)."""
+    return parts
+
+
+def _code_identity(code: types.CodeType) -> tuple:
+    consts = tuple(_code_identity(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.co_code, consts, code.co_names
+
+
+class _FingerprintPickler(pickle.Pickler):
+    """Pickles lambdas and local functions by their code, constants, defaults and closure values, for hashing."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.FunctionType) and ("<lambda>" in obj.__qualname__ or "<locals>" in obj.__qualname__):
+            cells = tuple(cell.cell_contents for cell in obj.__closure__ or ())
+            parts = (obj.__module__, obj.__qualname__, _code_identity(obj.__code__), obj.__defaults__, cells)
+            return _function_identity, parts
+        return NotImplemented
+
+
 def transform_fingerprint(ds: CacheDataset) -> str:
     """
     A digest of the deterministic transforms whose result ``ds`` caches (those before the first random one).
@@ -380,7 +403,8 @@ def transform_fingerprint(ds: CacheDataset) -> str:
     validation dataset, say) never read each other's items. It is computed from the pickled transforms, so every
     process that builds the same transforms gets the same fingerprint and shares the items. Transforms that cannot
     be pickled get a fingerprint unique to this dataset object: still correct, only not shared with other processes
-    that build their own dataset (forked DataLoader workers inherit it and do share).
+    that build their own dataset (forked DataLoader workers inherit it and do share). Lambdas and local functions
+    (as in ``Lambdad``) count by their code, constants, defaults and closure values, so they do not prevent sharing.
     """
     from monai.transforms import RandomizableTrait, Transform
 
@@ -389,8 +413,9 @@ def transform_fingerprint(ds: CacheDataset) -> str:
         lambda t: isinstance(t, RandomizableTrait) or not isinstance(t, Transform)
     )
     cached = transform.transforms[:first_random]
+    buffer = io.BytesIO()
     try:
-        blob = pickle.dumps([type(t) for t in cached] + list(cached), protocol=4)
+        _FingerprintPickler(buffer, protocol=4).dump([type(t) for t in cached] + list(cached))
     except Exception as e:
         warnings.warn(
             f"CacheDataset: the cached transforms cannot be pickled ({type(e).__name__}: {e}); the runtime cache is "
@@ -399,7 +424,7 @@ def transform_fingerprint(ds: CacheDataset) -> str:
             stacklevel=3,
         )
         return uuid.uuid4().hex[:16]
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return hashlib.sha256(buffer.getvalue()).hexdigest()[:16]
 
 
 def sync_runtime_cache(ds: CacheDataset, indices: Sequence[int], keys: Sequence[Any] | None = None) -> None:
