@@ -320,14 +320,12 @@ class TestNeverWrongOrStale(ManagerTestCase):
 
     def test_fingerprint_same_in_another_process(self):
         """A fresh interpreter (another rank) computes the same fingerprint for the same pipeline with a lambda."""
-        code = textwrap.dedent(
-            f"""
+        code = textwrap.dedent(f"""
             import sys
             sys.path.insert(0, {os.path.dirname(__file__)!r})
             from test_cachedataset_runtime_cache import fingerprint_with_lambda
             print(fingerprint_with_lambda())
-            """
-        )
+            """)
         outs = [
             subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
             for _ in range(2)

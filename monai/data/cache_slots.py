@@ -19,9 +19,9 @@ it was stored under the very same key, so that an item computed for other data i
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import pickle
-import io
 import threading
 import types
 import uuid
