@@ -428,6 +428,67 @@ class TestZeroCopy(_TempRootMixin):
         self.assertEqual(int(store.get(0, "k")[3]), 6)
 
     @skip_unless_linux
+    def test_release_from_garbage_collection_never_deadlocks(self) -> None:
+        """A collection that frees a mapped item inside the pool's critical section must not wait for the pool."""
+        code = textwrap.dedent(f"""
+            import gc, tempfile
+            import numpy as np
+            from monai.data.cache_store import SharedCacheStore
+            st = SharedCacheStore(root=tempfile.mkdtemp(dir={self.root!r}))
+            st.put(0, "k0", {{"a": np.ones(2**17)}})
+            st.put(1, "k1", {{"a": np.ones(2**17)}})
+            gc.collect()
+            gc.freeze()  # collections then only scan what the loop makes: fast
+            for threshold in range(1, 200):  # sweep, so that some collection starts inside the pool's lock
+                gc.disable()
+                a = st.get(0, "k0")
+                a["self"] = a  # an unreachable cycle that holds a mapping
+                del a
+                b = st.get(1, "k1")
+                gc.set_threshold(threshold)
+                gc.enable()
+                del b  # releasing b's mapping allocates: a collection there frees a's mapping
+                gc.disable()
+                gc.collect()
+            gc.set_threshold(700)
+            gc.enable()
+            assert float(st.get(0, "k0")["a"].sum()) == 2**17
+            st.close()
+            print("ok")
+            """)
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+        except subprocess.TimeoutExpired:
+            self.fail("releasing a mapping from the garbage collector deadlocked")
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(proc.stdout.strip(), "ok")
+
+    @skip_unless_linux
+    def test_kept_mappings_do_not_pin_removed_items(self) -> None:
+        def deleted_mappings(store_path: str) -> list[str]:
+            with open("/proc/self/maps") as f:
+                return [line for line in f if store_path in line and "(deleted)" in line]
+
+        store = self.new_store()
+        for n in range(3):
+            store.put(n, f"k{n}", torch.arange(200_000))
+            t = store.get(n, f"k{n}")
+            del t  # kept by the pool for the next read
+        gc.collect()
+        store.invalidate(["k0", "k1", "k2"], ["k2"])  # set_data dropped two inputs
+        gc.collect()
+        self.assertEqual(deleted_mappings(store.path), [])
+        t = store.get(2, "k2")
+        self.assertEqual(int(t[-1]), 199_999)
+        del t
+        gc.collect()
+        path = store.path
+        store.close()  # the directory goes: nothing of it may stay mapped in this process
+        gc.collect()
+        self.assertFalse(os.path.isdir(path))
+        self.assertEqual(deleted_mappings(path), [])
+
+    @skip_unless_linux
     def test_large_items_are_views_of_a_private_mapping(self) -> None:
         store = self.new_store()
         store.put(0, "k", {"t": torch.arange(100_000, dtype=torch.float32), "a": np.arange(50_000.0)})

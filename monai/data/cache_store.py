@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -199,6 +200,7 @@ def _release_participation(path: str, marker: str, owner_pid: int) -> None:
     _unlink_quiet(marker)
     if not _has_live_participant(path):
         shutil.rmtree(path, ignore_errors=True)
+        _POOL.purge(path + os.sep)
 
 
 def _unlink_quiet(path: str) -> None:
@@ -460,10 +462,15 @@ class _MappingPool:
     A fresh mapping costs a page fault for every page a reader touches, and an ``munmap`` at the end; for a random
     crop of a large image that is most of a hit's cost. A mapping whose views are all gone, and whose pages were
     never written (no copy-on-write page in ``/proc/self/pagemap``), still holds exactly the file's content, so the
-    next read of the same file (same device, inode, size and modification time) reuses it: no new faults, no unmap.
-    A written mapping, or one that cannot be checked (no pagemap), is unmapped as before, so every reader still gets
-    a private, pristine copy. The pool is per process and bounded; a kept mapping whose file was removed or replaced
-    since is dropped at this process's next release, so that it does not pin the removed file's pages for long.
+    next read of the same file (same path, device, inode, size and modification time) reuses it: no new faults, no
+    unmap. A written mapping, or one that cannot be checked (no pagemap), is unmapped as before, so every reader
+    still gets a private, pristine copy. The pool is per process and bounded. Kept mappings of files removed or
+    replaced since are dropped at the next release or read, and at once when their store is closed or invalidated
+    in this process, so that they do not pin the removed files' pages.
+
+    Releases come from ``__del__``, which the garbage collector may run anywhere, even inside this pool's own
+    critical section: they are only queued (a thread-safe ``deque``), and whoever gets the lock without waiting
+    processes the queue. Nothing here ever waits for the lock from a finalizer.
     """
 
     MAX_MAPPINGS = 32
@@ -472,34 +479,62 @@ class _MappingPool:
         self._lock = threading.Lock()
         self._free: dict[tuple, list[tuple[int, int]]] = {}
         self._order: list[tuple[tuple, int, int]] = []  # oldest first, for eviction
+        self._queue: deque = deque()  # ("release", libc, ident, addr, size) or ("purge", path prefix)
+        self._libc: Any = None
 
     def take(self, ident: tuple) -> int | None:
-        with self._lock:
+        """A kept mapping of the file ``ident``, or None."""
+        with self._lock:  # never called from a finalizer; a finalizer run in here only queues
             free = self._free.get(ident)
-            if not free:
-                return None
-            addr, size = free.pop()
-            self._order.remove((ident, addr, size))
-            return addr
+            addr = None
+            if free:
+                addr, size = free.pop()
+                self._order.remove((ident, addr, size))
+        self.drain()
+        return addr
 
-    def give_back(self, libc: Any, ident: tuple | None, addr: int, size: int) -> None:
-        """Keep an unwritten mapping of a file that still exists for reuse; unmap anything else."""
-        if ident is None or not _is_current(ident) or not _pristine(addr, size):
-            libc.munmap(addr, size)
-            return
-        evicted = []
-        with self._lock:
-            self._free.setdefault(ident, []).append((addr, size))
-            self._order.append((ident, addr, size))
-            # a kept mapping of a removed or replaced file would pin its pages: drop those, then the oldest
-            keep = [entry for entry in self._order if _is_current(entry[0])][-self.MAX_MAPPINGS :]
-            for entry in self._order:
-                if entry not in keep:
-                    self._free[entry[0]].remove(entry[1:])
-                    evicted.append(entry[1:])
-            self._order = keep
-        for old_addr, old_size in evicted:
-            libc.munmap(old_addr, old_size)
+    def release(self, libc: Any, ident: tuple | None, addr: int, size: int) -> None:
+        """Keep an unwritten mapping of a file that still exists for reuse; unmap anything else. Never blocks."""
+        self._libc = libc
+        self._queue.append(("release", libc, ident, addr, size))
+        self.drain()
+
+    def purge(self, prefix: str) -> None:
+        """Unmap the kept mappings of files under ``prefix`` (a closed or invalidated store). Never blocks."""
+        self._queue.append(("purge", prefix))
+        self.drain()
+
+    def drain(self) -> None:
+        while self._queue:
+            if not self._lock.acquire(blocking=False):
+                return  # the holder (this thread re-entered by the collector, or another thread) drains the queue
+            try:
+                while self._queue:
+                    self._process(self._queue.popleft())
+            finally:
+                self._lock.release()
+
+    def _process(self, job: tuple) -> None:
+        unmap: list[tuple[int, int]] = []
+        if job[0] == "release":
+            _, libc, ident, addr, size = job
+            if ident is None or not _is_current(ident) or not _pristine(addr, size):
+                unmap.append((addr, size))
+            else:
+                self._free.setdefault(ident, []).append((addr, size))
+                self._order.append((ident, addr, size))
+            stale = [entry for entry in self._order if not _is_current(entry[0])]
+        else:
+            prefix = job[1]
+            stale = [entry for entry in self._order if entry[0][0].startswith(prefix)]
+        keep = [entry for entry in self._order if entry not in stale][-self.MAX_MAPPINGS :]
+        for entry in self._order:
+            if entry not in keep:
+                self._free[entry[0]].remove(entry[1:])
+                unmap.append(entry[1:])
+        self._order = keep
+        for addr, size in unmap:
+            self._libc.munmap(addr, size)
 
     def reset_lock(self) -> None:
         """After a fork: the lock may have been held by a thread that does not exist in the child."""
@@ -552,7 +587,7 @@ class _PrivateMapping:
 
     def __del__(self) -> None:
         try:
-            _POOL.give_back(self._libc, self._ident, self._addr, self._size)
+            _POOL.release(self._libc, self._ident, self._addr, self._size)
         except Exception:
             pass
 
@@ -918,7 +953,10 @@ class SharedCacheStore(CacheSlots):
         """
         if self._gone:
             return
-        for key in set(old_keys) - set(new_keys):
+        removed = set(old_keys) - set(new_keys)
+        if removed:
+            _POOL.purge(os.path.join(self._path, ""))  # kept mappings of removed items would pin their pages
+        for key in removed:
             try:
                 os.unlink(self._item_path(key))
             except FileNotFoundError:
@@ -1068,6 +1106,7 @@ class SharedCacheStore(CacheSlots):
         self._gone = True
         if self._finalizer is not None:
             self._finalizer()  # a weakref.finalize runs at most once
+        _POOL.purge(os.path.join(self._path, ""))
 
     @staticmethod
     def cleanup_leftovers(root: str | os.PathLike | None = None) -> list[str]:
@@ -1138,6 +1177,7 @@ class SharedCacheStore(CacheSlots):
         """Degrade after a file system error: warn once, and stop using the store or writing to it."""
         if not os.path.isdir(self._path):
             self._gone = True
+            _POOL.purge(os.path.join(self._path, ""))
             self._warn_once(f"the cache directory {self._path} is gone", err)
             return
         if isinstance(err, FileNotFoundError) and not os.path.isdir(self._tmp_dir):
