@@ -402,8 +402,18 @@ class TestZeroCopy(_TempRootMixin):
     @skip_unless_linux
     @unittest.skipIf(sys.version_info >= (3, 13), "mappings are made by mmap.mmap, which is not pooled")
     def test_unwritten_mapping_is_reused_written_one_never(self) -> None:
+        import monai.data.cache_store as cache_store
+
         store = self.new_store()
         store.put(0, "k", torch.arange(100_000))
+        t = store.get(0, "k")  # below the pool's minimum size: unmapped with its last view
+        address = t.data_ptr()
+        del t
+        gc.collect()
+        self.assertEqual(self._mapped_files(address), [])
+        patcher = mock.patch.object(cache_store._POOL, "MIN_SIZE", 0)
+        patcher.start()
+        self.addCleanup(patcher.stop)
         t = store.get(0, "k")
         address = t.data_ptr()
         del t
@@ -433,7 +443,8 @@ class TestZeroCopy(_TempRootMixin):
         code = textwrap.dedent(f"""
             import gc, tempfile
             import numpy as np
-            from monai.data.cache_store import SharedCacheStore
+            from monai.data.cache_store import SharedCacheStore, _POOL
+            _POOL.MIN_SIZE = 0  # pool these small items too
             st = SharedCacheStore(root=tempfile.mkdtemp(dir={self.root!r}))
             st.put(0, "k0", {{"a": np.ones(2**17)}})
             st.put(1, "k1", {{"a": np.ones(2**17)}})
@@ -469,6 +480,11 @@ class TestZeroCopy(_TempRootMixin):
             with open("/proc/self/maps") as f:
                 return [line for line in f if store_path in line and "(deleted)" in line]
 
+        import monai.data.cache_store as cache_store
+
+        patcher = mock.patch.object(cache_store._POOL, "MIN_SIZE", 0)
+        patcher.start()
+        self.addCleanup(patcher.stop)
         store = self.new_store()
         for n in range(3):
             store.put(n, f"k{n}", torch.arange(200_000))

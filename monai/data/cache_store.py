@@ -474,6 +474,7 @@ class _MappingPool:
     """
 
     MAX_MAPPINGS = 32
+    MIN_SIZE = 8 << 20  # smaller mappings are cheaper to make again than to check in the pagemap
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -527,7 +528,8 @@ class _MappingPool:
         else:
             prefix = job[1]
             stale = [entry for entry in self._order if entry[0][0].startswith(prefix)]
-        keep = [entry for entry in self._order if entry not in stale][-self.MAX_MAPPINGS :]
+        keep = [entry for entry in self._order if entry not in stale]
+        keep = keep[max(0, len(keep) - self.MAX_MAPPINGS) :]
         for entry in self._order:
             if entry not in keep:
                 self._free[entry[0]].remove(entry[1:])
@@ -604,6 +606,8 @@ def _map_private(fd: int, size: int, ident: tuple | None = None) -> memoryview:
     libc = _libc()
     if libc is None:  # e.g. Windows: the mapping keeps a handle of its own
         return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+    if size < _POOL.MIN_SIZE:
+        ident = None  # not pooled: unmapped with its last view
     addr = _POOL.take(ident) if ident is not None else None
     if addr is None:
         prot = mmap.PROT_READ | mmap.PROT_WRITE  # type: ignore[attr-defined]
