@@ -133,13 +133,19 @@ class CacheSlots(ABC):
     _warned_lock = threading.Lock()
     _warned: set[tuple[int, str]] = set()
 
-    def _warn_once(self, what: str, err: BaseException) -> None:
-        """Warn once per process and backend instance that the cache is unusable, and why."""
+    def _first_time(self, what: str) -> bool:
+        """Whether ``what`` happens for the first time in this process and backend instance (for one-time warnings)."""
         token = (os.getpid(), f"{id(self)}:{what}")
         with CacheSlots._warned_lock:
             if token in CacheSlots._warned:
-                return
+                return False
             CacheSlots._warned.add(token)
+        return True
+
+    def _warn_once(self, what: str, err: BaseException) -> None:
+        """Warn once per process and backend instance that the cache is unusable, and why."""
+        if not self._first_time(what):
+            return
         warnings.warn(
             f"CacheDataset runtime cache ({type(self).__name__}): {what} ({type(err).__name__}: {err}). "
             "Items are computed without the cache from now on in this process.",
@@ -234,11 +240,8 @@ class ListSlots(CacheSlots):
         return True
 
     def _warn_worker(self) -> None:
-        token = (os.getpid(), f"{id(self)}:worker")
-        with CacheSlots._warned_lock:
-            if token in CacheSlots._warned:
-                return
-            CacheSlots._warned.add(token)
+        if not self._first_time("filled in a DataLoader worker"):
+            return
         warnings.warn(
             "CacheDataset(runtime_cache=True/'thread') is being filled inside a DataLoader worker process: the list "
             "is private to this worker, so its items are lost when the worker exits at the end of the epoch and the "
@@ -368,7 +371,11 @@ def resolve_runtime_cache(value: Any, current: CacheSlots | None = None) -> Cach
 
 def content_key(hash_func: Callable[..., Any], item: Any) -> str:
     """The content key of an input item: ``hash_func(item)`` as text."""
-    key = hash_func(item)
+    return _as_text(hash_func(item))
+
+
+def _as_text(key: Any) -> str:
+    """A hash value (``bytes`` from ``pickle_hashing``, or anything else) as text."""
     if isinstance(key, (bytes, bytearray)):
         return bytes(key).decode("utf-8", "backslashreplace")
     return str(key)
@@ -443,7 +450,7 @@ def sync_runtime_cache(ds: CacheDataset, indices: Sequence[int], keys: Sequence[
     """
     slots = resolve_runtime_cache(ds.runtime_cache, getattr(ds, "_slots", None))
     if keys is not None:
-        keys = [content_key(lambda k: k, k) for k in keys]
+        keys = [_as_text(k) for k in keys]
     else:
         try:
             keys = [content_key(ds.hash_func, ds.data[i]) for i in indices]
