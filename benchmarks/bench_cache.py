@@ -557,7 +557,7 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
         cache = "process" if root is None else SharedCacheStore(root=root)
         ds = CacheDataset(_inputs(cfg, n_first, start=10_000), tr, runtime_cache=cache, progress=False)
         for i in range(n_first):
-            cast(Any, ds._slots).put(i, ds._slot_keys[i], item)
+            cast(Any, ds._runtime).put(i, ds._runtime_keys[i], item)
         first_sets[name] = ds
     del item
     eager.copy_cache = False
@@ -572,7 +572,7 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
             first[name].append(time.perf_counter() - start)
             first_faults[name] += _minflt() - f0
     for ds in first_sets.values():
-        cast(Any, ds._slots).invalidate(ds._slot_keys, [])
+        cast(Any, ds._runtime).invalidate(ds._runtime_keys, [])
     del first_sets
 
     for name in datasets:
@@ -590,7 +590,7 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
         res["paths"][name]["first_read_s"] = first[name]
         res["paths"][name]["first_read_floor_s"] = first["private_nocopy"]
         res["paths"][name]["first_read_minflt"] = first_faults[name] / n_first
-    res["paths"]["store"]["reads_are_private"] = bool(stores["store"]._slots.reads_are_private)
+    res["paths"]["store"]["reads_are_private"] = bool(stores["store"]._runtime.reads_are_private)
     res["paths"]["store"]["file_bytes_per_item"] = file_bytes
     try:  # uses private functions of cache_store: informative only
         res["breakdown"] = _breakdown(eager, stores["store"], tr, first_random, reps)
@@ -603,7 +603,7 @@ def _breakdown(eager: Any, store_ds: Any, tr: Any, first_random: int, reps: int)
     """Where the time of one hit goes, for the floor and for the store: read, crop, copy, release; page faults."""
     from monai.data import cache_store
 
-    slots, key = store_ds._slots, store_ds._slot_keys[0]
+    slots, key = store_ds._runtime, store_ds._runtime_keys[0]
     item_path = slots._item_path(key)
     steps: dict[str, dict[str, list[float]]] = {"private_nocopy": {}, "store": {}}
 
@@ -748,7 +748,7 @@ def job_epoch(cfg: dict) -> dict[str, Any]:
             progress=False,
             num_workers=2,
         )
-    slots = getattr(ds, "_slots", None)
+    slots = getattr(ds, "_runtime", None)
     store_dir = getattr(slots, "path", None)
     phases = {"setup": time.perf_counter() - started}
 
@@ -860,7 +860,7 @@ def job_small(cfg: dict) -> dict[str, Any]:
                 res["fill_s"] = sum(fill_times)
                 res["correct"] = all(float(kept[i]["x"][-1]) == float(i) for i in range(n))
                 res["open_fds_with_items_alive"] = len(os.listdir("/proc/self/fd"))
-                res["store"] = cast(Any, ds._slots).stats()
+                res["store"] = cast(Any, ds._runtime).stats()
                 head = min(1000, n // 2)
                 res["seq_hit_first_s"] = _median(times[:head])
                 res["seq_hit_last_s"] = _median(times[-head:])

@@ -144,6 +144,7 @@ def find_upstream_wheel(config_settings: dict | None = None) -> Path:
 # ---------------------------------------------------------------------------------------------------------------------
 # A strict unified-diff applier: every context and removed line must match exactly where the hunk says.
 
+_HEADER_LINE = re.compile(r"^--- ", re.M)  # the first file header of a patch; what comes before is its description
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
@@ -498,15 +499,19 @@ def refresh(patch: Path, tree: Path, files: list[str] | None = None, src_root: P
     Regenerate ``patch`` from the edited files in the laid-out ``tree`` (like ``quilt refresh``).
 
     The new patch holds, for each file (those the patch already touches, plus ``files``), the diff between upstream
-    with the earlier patches applied and the file as it is now in ``tree``. A file that a later patch also touches is
-    refused, because its edit could not be told apart.
+    with the earlier patches applied and the file as it is now in ``tree``. In the laid-out tree, a file that a later
+    patch also touches is refused, because its edit could not be told apart: edit a tree that stops before the later
+    patch instead (``pristine --upto``), then refresh the later patches in turn.
     """
     series = patch_files(src_root / PATCHES)
-    touched = [fp.path for fp in parse_patch(patch.read_text(), patch.name)] if patch.is_file() else []
+    text = patch.read_text() if patch.is_file() else ""
+    # a new patch may hold only its header so far
+    touched = [fp.path for fp in parse_patch(text, patch.name)] if _HEADER_LINE.search(text) else []
     wanted = list(dict.fromkeys(touched + list(files or [])))
     if not wanted:
         raise BuildError(f"{patch.name}: name the upstream files it should change")
-    later = [p for p in series if p.name > patch.name]
+    # in the laid-out tree, the later patches are applied too: their edits could not be told apart from this one's
+    later = [p for p in series if p.name > patch.name] if tree.resolve() == (ROOT / "build" / "tree").resolve() else []
     for p in later:
         clash = set(wanted) & {fp.path for fp in parse_patch(p.read_text(), p.name)}
         if clash:
@@ -522,25 +527,73 @@ def refresh(patch: Path, tree: Path, files: list[str] | None = None, src_root: P
             diff = make_patch(rel, before, after)
             if diff:
                 parts.append(diff)
-    header = ""
-    if patch.is_file():
-        text = patch.read_text()
-        header = text[: text.find("--- ")] if "--- " in text else ""
+    found = _HEADER_LINE.search(text)
+    header = text[: found.start()] if found else text
     patch.write_text(header + "".join(parts))
     return patch.name
 
 
-FORK_ONLY_TESTS = "test_fork_"  # tests of the fork's own build, not exported upstream
+SERIES = "docs/pr/series.ini"  # the upstream PR series: which patches, modules, tests and docs each PR holds
 UPSTREAM_TEST_DIR = "tests/data"  # where MONAI keeps the tests of monai/data
+PATCH_AUTHOR = "MONAI shared-cache fork <monai-sharedcache@users.noreply.invalid>"
 
 
-def export_patch(out: Path, src_root: Path = ROOT) -> Path:
+class Stage:
+    """One pull request of the upstream series (a section of ``docs/pr/series.ini``)."""
+
+    def __init__(self, name: str, fields: dict[str, str], number: int) -> None:
+        self.name, self.number = name, number
+        self.title = fields.get("title", name)
+        self.patches, self.overlay, self.tests, self.docs = (
+            fields.get(key, "").split() for key in ("patches", "overlay", "tests", "docs")
+        )
+        self.max_lines = int(fields["max_lines"]) if fields.get("max_lines") else None
+
+
+def read_series(src_root: Path = ROOT) -> list[Stage]:
     """
-    Write one git-format patch against upstream: overlay files as new files, the patch series, and our tests at
-    MONAI's test paths. Needs ``git``. The result applies with ``git apply`` to an unpacked upstream wheel.
+    The PR series, in order. Every patch of ``patches/`` must be in exactly one stage, in the order of the series,
+    and every overlay module and test file (other than the fork's own ``test_fork_*``) in exactly one.
+    """
+    import configparser
+
+    parser = configparser.ConfigParser(interpolation=None)
+    if not parser.read(src_root / SERIES, encoding="utf-8"):
+        raise BuildError(f"{SERIES} is missing")
+    stages = [Stage(name, dict(parser[name]), n) for n, name in enumerate(parser.sections(), 1)]
+    listed = [p for st in stages for p in st.patches]
+    actual = [p.name for p in patch_files(src_root / PATCHES)]
+    if listed != actual:
+        raise BuildError(f"{SERIES} lists the patches {listed}, but patches/ holds {actual} (same files, same order)")
+    overlay = sorted(str(p) for p in _overlay_files(src_root) if p.suffix == ".py")
+    if sorted(m for st in stages for m in st.overlay) != overlay:
+        raise BuildError(f"{SERIES}: the overlay modules of the stages must be exactly {overlay}")
+    tests = sorted(p.name for p in (src_root / "tests").glob("test_*.py") if not p.name.startswith("test_fork_"))
+    if sorted(t for st in stages for t in st.tests) != tests:
+        raise BuildError(f"{SERIES}: the tests of the stages must be exactly {tests}")
+    return stages
+
+
+def _strip_header(text: str) -> tuple[str, str]:
+    """Split a patch into its description and its diffs."""
+    found = _HEADER_LINE.search(text)
+    return (text[: found.start()], text[found.start() :]) if found else (text, "")
+
+
+def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
+    """
+    Write the upstream PR series into ``out_dir``: for each stage ``NN-<slug>.patch`` and ``NN-<slug>.md``.
+
+    A ``.patch`` is a plain ``git diff`` with the descriptions of its patches first: the stage's code and tests
+    (at MONAI's test paths) and new docs files, against the unpacked upstream wheel with the earlier stages applied,
+    then the stage's diffs of MONAI's own docs. Every patch applies with ``git apply`` after the ones before it:
+    whole to MONAI's repository, and with ``--include='monai/*' --include='tests/*'`` to an unpacked wheel.
     """
     git = ["git", "-c", "user.name=MONAI shared-cache fork", "-c", "user.email=monai-sharedcache@users.noreply.invalid"]
     git += ["-c", "commit.gpgsign=false", "-c", "core.autocrlf=false"]
+    stages = read_series(src_root)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
     with tempfile.TemporaryDirectory() as tmp:
         repo = pristine(Path(tmp) / "repo")
         for info in repo.glob("monai-*.dist-info"):
@@ -555,47 +608,64 @@ def export_patch(out: Path, src_root: Path = ROOT) -> Path:
         run("init", "-q")
         run("add", "-A")
         run("commit", "-q", "-m", f"MONAI {UPSTREAM_VERSION}")
-        for rel in _overlay_files(src_root):
-            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src_root / rel, repo / rel)
-        for patch in patch_files(src_root / PATCHES):
-            apply_patch(repo, patch)
-        # our docs pages and recipes, beside MONAI's (its own conf.py and index.rst stay)
-        docs = src_root / "docs" / "source"
-        for page in sorted(docs.rglob("*")) if docs.is_dir() else []:
-            if page.is_file() and page.name not in ("conf.py", "index.rst") and "__pycache__" not in page.parts:
-                dest = repo / "docs" / "source" / page.relative_to(docs)
+        for st in stages:
+            descriptions, docs_diffs = [], []
+            for rel in st.overlay:
+                (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src_root / rel, repo / rel)
+            for name in st.patches:
+                apply_patch(repo, src_root / PATCHES / name)
+                descriptions.append(_strip_header((src_root / PATCHES / name).read_text(encoding="utf-8"))[0])
+            for name in st.tests:
+                dest = repo / UPSTREAM_TEST_DIR / name
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(page, dest)
-        for test in sorted((src_root / "tests").glob("test_*.py")):
-            if not test.name.startswith(FORK_ONLY_TESTS):
-                dest = repo / UPSTREAM_TEST_DIR / test.name
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(test, dest)
-        message = (
-            (src_root / "docs" / "PR_TITLE.txt").read_text().strip()
-            if (src_root / "docs" / "PR_TITLE.txt").is_file()
-            else ("CacheDataset: checked, resynced, content-keyed runtime cache shared across workers and ranks")
-        )
-        run("add", "-A")
-        run("commit", "-q", "-m", message)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(run("format-patch", "-1", "--stdout", "--no-signature", "HEAD"))
-        diffstat = run("diff", "--stat=100", "HEAD~1", "HEAD").rstrip()
-    write_pr_description(out.parent / "PR.md", diffstat, src_root)
-    return out
+                shutil.copyfile(src_root / "tests" / name, dest)
+            for rel in st.docs:
+                src = src_root / rel
+                if rel.startswith(PATCHES + "/"):
+                    head, body = _strip_header(src.read_text(encoding="utf-8"))
+                    descriptions.append(head)
+                    docs_diffs.append(body)
+                    continue
+                for f in sorted(src.rglob("*")) if src.is_dir() else [src]:
+                    if f.is_file() and "__pycache__" not in f.parts:
+                        dest = repo / f.relative_to(src_root)
+                        if dest.exists():
+                            raise BuildError(f"{SERIES}: {rel} would replace a file of upstream")
+                        dest.parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copyfile(f, dest)
+            run("add", "-A")
+            run("commit", "-q", "-m", st.title)
+            diff = run("diff", "HEAD~1", "HEAD") + "".join(docs_diffs)
+            changed = sum(
+                1 for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++ ", "--- "))
+            )
+            if st.max_lines is not None and changed > st.max_lines:
+                raise BuildError(f"PR {st.name} changes {changed} lines, over its cap of {st.max_lines}")
+            stat = run("diff", "--stat=100", "HEAD~1", "HEAD").rstrip()
+            for d in docs_diffs:
+                for fp in parse_patch(d, st.name):
+                    plus = sum(len([x for x in new if x not in old]) for _, old, new in fp.hunks)
+                    stat += f"\n {fp.path} (MONAI's docs) | +{plus}"
+            header = f"From: {PATCH_AUTHOR}\nSubject: [PATCH {st.number:02d}/{len(stages)}] {st.title}\n\n"
+            patch_path = out_dir / f"{st.name}.patch"
+            patch_path.write_text(header + "\n".join(d.strip() + "\n" for d in descriptions) + "\n" + diff)
+            md = write_pr_description(out_dir / f"{st.name}.md", st, changed, stat, src_root)
+            written += [patch_path, md]
+    return written
 
 
-def write_pr_description(out: Path, diffstat: str, src_root: Path = ROOT) -> Path:
-    """Fill ``docs/pr/PR.md.in`` with the version, the latest benchmark table and the diffstat."""
-    template = (src_root / "docs" / "pr" / "PR.md.in").read_text(encoding="utf-8")
+def write_pr_description(out: Path, st: Stage, changed: int, diffstat: str, src_root: Path = ROOT) -> Path:
+    """Fill ``docs/pr/<stage>.md.in`` with the version, the size, the benchmark table and the diffstat."""
+    template = (src_root / "docs" / "pr" / f"{st.name}.md.in").read_text(encoding="utf-8")
     results = src_root / "benchmarks" / "output" / "results.md"
     if results.is_file():
         bench = results.read_text(encoding="utf-8").strip()
     else:
         bench = "No benchmark run yet in this checkout: `python benchmarks/bench_cache.py` writes the table."
+    size = f"{changed} changed lines" + (f" (cap {st.max_lines})" if st.max_lines else "")
     text = template.replace("{{VERSION}}", VERSION).replace("{{BENCHMARK}}", bench).replace("{{DIFFSTAT}}", diffstat)
-    out.write_text(text, encoding="utf-8")
+    out.write_text(text.replace("{{SIZE}}", size).replace("{{TITLE}}", st.title), encoding="utf-8")
     return out
 
 
@@ -615,8 +685,8 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("patch", help="patches/NNNN-name.patch (created if new)")
     p.add_argument("files", nargs="*", help="upstream files (monai/...) to add to the patch")
     p.add_argument("--tree", default=str(ROOT / "build" / "tree"))
-    p = sub.add_parser("export-patch", help="write one git-format patch against upstream")
-    p.add_argument("out", nargs="?", default=str(ROOT / "dist" / f"monai-{VERSION}.patch"))
+    p = sub.add_parser("export-patch", help="write the upstream PR series (patches and descriptions)")
+    p.add_argument("out", nargs="?", default=str(ROOT / "dist" / "pr"))
     sub.add_parser("wheel-path", help="print the verified upstream wheel path (downloads it if needed)")
     sub.add_parser("version", help="print the fork version")
     args = parser.parse_args(argv)
@@ -634,7 +704,8 @@ def _main(argv: list[str] | None = None) -> int:
         elif args.cmd == "refresh":
             print("refreshed", refresh(Path(args.patch), Path(args.tree), args.files))
         elif args.cmd == "export-patch":
-            print(export_patch(Path(args.out)))
+            for path in export_series(Path(args.out)):
+                print(path)
         elif args.cmd == "wheel-path":
             print(find_upstream_wheel())
         elif args.cmd == "version":

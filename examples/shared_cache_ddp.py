@@ -203,7 +203,7 @@ def train_run(
         runtime_cache = "process"  # a private store per rank, shared with the rank's own workers only
     ds = CacheDataset(files, make_transform(log, args.crop), runtime_cache=runtime_cache, progress=False)
     if store is None:  # the dataset's own store, to report its size (an attribute of CacheDataset's runtime cache)
-        own = getattr(ds, "_slots", None)
+        own = getattr(ds, "_runtime", None)
         store = own if isinstance(own, SharedCacheStore) else None
 
     sampler: DistributedSampler[Any] = DistributedSampler(

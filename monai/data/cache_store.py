@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -42,9 +43,22 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from monai.data.cache_slots import MISS, CacheSlots
 
-__all__ = ["SharedCacheStore"]
+__all__ = ["MISS", "SharedCacheStore"]
+
+
+class _Miss:
+    """The type of :py:data:`MISS`, what :py:meth:`SharedCacheStore.get` returns when it has no item for a key."""
+
+    def __reduce__(self) -> str:
+        return "MISS"
+
+    def __repr__(self) -> str:
+        return "MISS"
+
+
+MISS = _Miss()
+_WARN_LOCK = threading.Lock()
 
 # -- file format ---------------------------------------------------------------------------------------------------
 # An item file is: a fixed prefix, the key (utf-8), a table of (offset, length) of the out-of-band buffers, the pickle
@@ -670,7 +684,7 @@ def _attach_pickled(cls: type[SharedCacheStore], path: str, claim_timeout: float
         return store
 
 
-class SharedCacheStore(CacheSlots):
+class SharedCacheStore:
     """
     A runtime cache shared by all the processes of one machine, without a server: every item is a file in a private
     directory, by default on ``/dev/shm`` (a RAM-backed file system), named after the item's content key.
@@ -769,6 +783,7 @@ class SharedCacheStore(CacheSlots):
     """
 
     reads_are_private = True
+    _warned: set[tuple[int, int, str]] = set()  # (pid, store, what) of the warnings given, once per process
 
     def __init__(
         self,
@@ -874,36 +889,38 @@ class SharedCacheStore(CacheSlots):
             _unlink_quiet(tmp)
             self._fault("cannot record the capacity", err)
 
-    def get(self, index: int, key: str) -> Any:
+    def get(self, index: int, key: str, default: Any = MISS) -> Any:
         """
         Read the item stored under ``key``.
 
         Args:
             index: the slot, informational only: items are addressed by ``key``.
             key: the content key of the item.
+            default: what to return if there is no readable item for ``key``.
 
         Returns:
             a new object graph of the item (arrays and tensors are views of a private copy-on-write mapping),
-            or ``MISS`` if there is no readable item for ``key``.
+            or ``default``.
         """
         if self._gone:
-            return MISS
+            return default
         path = self._item_path(key)
         try:
             buf, ino = _read_file(path)
         except FileNotFoundError:
-            return MISS
+            return default
         except OSError as err:
             self._warn_once("cannot read items", err)
-            return MISS
+            return default
         try:
-            return _decode(buf, key)
+            item = _decode(buf, key)
         except _CorruptItem:
             _remove_if_same(path, ino)
-            return MISS
+            return default
         except Exception as err:  # e.g. a class that this process cannot import
             self._warn_once("cannot unpickle items", err)
-            return MISS
+            return default
+        return default if item is MISS else item
 
     def put(self, index: int, key: str, item: Any) -> bool:
         """
@@ -1192,3 +1209,17 @@ class SharedCacheStore(CacheSlots):
         elif err.errno in _PERSISTENT_WRITE_ERRORS:
             self._writable = False
         self._warn_once(f"{what} in {self._path}", err)
+
+    def _warn_once(self, what: str, err: BaseException) -> None:
+        """Warn once per process and store that the cache cannot be used as it should, and why."""
+        token = (os.getpid(), id(self), what)  # the pid: a forked child warns for itself
+        with _WARN_LOCK:
+            if token in SharedCacheStore._warned:
+                return
+            SharedCacheStore._warned.add(token)
+        warnings.warn(
+            f"CacheDataset runtime cache ({type(self).__name__}): {what} ({type(err).__name__}: {err}). "
+            "Items are computed without the cache from now on in this process.",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,564 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Regression tests of CacheDataset's runtime cache: sizing, resync, content keys, hash_as_key, faults, processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import unittest
+import warnings
+from collections import Counter
+from multiprocessing import get_context
+from multiprocessing.managers import SyncManager
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from parameterized import parameterized
+
+from monai.data import CacheDataset, DataLoader
+from monai.data.cache_slots import CacheEntry, ListSlots
+from monai.transforms import Compose, RandomizableTransform, Transform
+
+TIMEOUT = 120  # seconds for any wait on another process
+
+
+class Load(Transform):
+    """A deterministic transform that records each execution as a line in ``log`` (if given)."""
+
+    def __init__(self, log: str | None = None) -> None:
+        self.log = log
+
+    def __call__(self, x):
+        src = x["id"] if isinstance(x, dict) else x
+        if self.log:
+            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, f"{src}\n".encode())
+            finally:
+                os.close(fd)
+        return {"src": src, "img": torch.full((3, 4), float(src))}
+
+
+class RandAdd(RandomizableTransform):
+    """A random transform that modifies the cached item in place (to catch shared, unprotected cache content)."""
+
+    def __call__(self, d):
+        d["img"] += 0.0  # in place on purpose
+        d["seen"] = True
+        return d
+
+
+class Scale(Transform):
+    """A second deterministic transform, to make cached content that differs for the same input."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def __call__(self, d):
+        return {**d, "img": d["img"] * self.factor}
+
+
+def make_transform(log: str | None = None) -> Compose:
+    return Compose([Load(log), RandAdd()])
+
+
+def first_item(batch):
+    return batch[0]
+
+
+def check_item(test: unittest.TestCase, item: dict, src) -> None:
+    test.assertEqual(item["src"], src)
+    test.assertTrue(torch.equal(torch.as_tensor(item["img"]), torch.full((3, 4), float(src))), f"wrong image for {src}")
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants (DataLoader workers of a rank), so that nothing outlives a test."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    todo, found = [pid], []
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    for p in found:
+        try:
+            os.kill(p, 9)
+        except OSError:
+            pass
+
+
+def executions(log: str) -> Counter:
+    if not os.path.exists(log):
+        return Counter()
+    with open(log) as f:
+        return Counter(int(line) for line in f.read().split())
+
+
+class ManagerTestCase(unittest.TestCase):
+    """Starts a Manager per test and always shuts it down."""
+
+    def setUp(self) -> None:
+        self.manager = SyncManager(ctx=get_context("fork"))
+        self.manager.start()
+        self.tmp = tempfile.mkdtemp()
+        self.log = os.path.join(self.tmp, "log")
+
+    def tearDown(self) -> None:
+        self.manager.shutdown()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def container(self, kind: str, length: int = 0):
+        if kind == "listproxy":
+            return self.manager.list([None] * length)
+        if kind == "list":
+            return [None] * length
+        return kind  # a mode string
+
+
+DATA = list(range(10))
+SIZING = [
+    (kind, length, rate) for kind in ("list", "listproxy") for length in (0, 3, 5, 10, 20) for rate in (0.5, 1.0)
+] + [(mode, 0, rate) for mode in ("process", "thread") for rate in (0.5, 1.0)]
+
+
+class TestSizing(ManagerTestCase):
+    @parameterized.expand(SIZING)
+    def test_main_process(self, kind, length, rate):
+        cache = self.container(kind, length)
+        ds = CacheDataset(DATA, make_transform(), cache_rate=rate, runtime_cache=cache, progress=False)
+        self.assertEqual(ds.cache_num, int(len(DATA) * rate))
+        for _ in range(2):
+            for i in range(len(DATA)):
+                check_item(self, ds[i], DATA[i])
+        check_item(self, ds[-1], DATA[-1])
+        self.assertEqual(len(ds._slots), ds.cache_num)
+        if not isinstance(cache, str):
+            self.assertEqual(len(cache), ds.cache_num)
+        # the compatibility view holds the cached items themselves
+        self.assertEqual(len(ds._cache), ds.cache_num)
+        self.assertEqual([d["src"] for d in ds._cache], DATA[: ds.cache_num])
+
+    @parameterized.expand(
+        [("listproxy", n, "fork") for n in (0, 3, 20)]
+        + [("listproxy", n, "spawn") for n in (0, 20)]
+        + [("process", 0, ctx) for ctx in ("fork", "spawn")]
+    )
+    def test_dataloader_workers(self, kind, length, ctx):
+        cache = self.container(kind, length) if kind == "listproxy" else "process"
+        ds = CacheDataset(DATA, make_transform(self.log), cache_rate=0.5, runtime_cache=cache, progress=False)
+        loader = DataLoader(
+            ds, batch_size=1, num_workers=2, multiprocessing_context=ctx, timeout=TIMEOUT, collate_fn=first_item
+        )
+        for _ in range(2):
+            got = sorted((item["src"], item["img"]) for item in loader)
+            self.assertEqual([s for s, _ in got], DATA)
+            for src, img in got:
+                self.assertTrue(torch.equal(img, torch.full((3, 4), float(src))))
+        if kind == "listproxy":
+            self.assertEqual(len(cache), 5)
+        self.assertEqual(len(ds._slots), 5)
+        # shared with the workers: the parent sees what they cached; cached items ran once, the others every epoch
+        self.assertEqual([d["src"] if d is not None else None for d in ds._cache], DATA[:5])
+        counts = executions(self.log)
+        self.assertEqual({k: counts[k] for k in DATA[:5]}, dict.fromkeys(DATA[:5], 1))
+        self.assertEqual({k: counts[k] for k in DATA[5:]}, dict.fromkeys(DATA[5:], 2))
+
+    def test_not_resizable(self):
+        class Fixed:  # item assignment but no slice assignment
+            def __init__(self):
+                self.items = [None] * 3
+
+            def __len__(self):
+                return len(self.items)
+
+            def __getitem__(self, i):
+                return self.items[i]
+
+            def __setitem__(self, i, v):
+                if isinstance(i, slice):
+                    raise TypeError("no slices")
+                self.items[i] = v
+
+            def __delitem__(self, i):
+                raise TypeError("no deletion")
+
+        with self.assertRaisesRegex(ValueError, r"length 3.*cache_num=10"):
+            CacheDataset(DATA, make_transform(), runtime_cache=Fixed(), progress=False)
+
+    def test_concurrent_resize(self):
+        """Several processes resize one ListProxy at once: always exactly cache_num."""
+        for trial in range(3):
+            cache = self.manager.list([None] * (trial * 7))
+            ctx = get_context("fork")
+            procs = [ctx.Process(target=_build_and_read, args=(cache, 0.5)) for _ in range(3)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(TIMEOUT)
+                self.assertEqual(p.exitcode, 0)
+            self.assertEqual(len(cache), 5)
+            for entry in cache:
+                if entry is not None:
+                    self.assertIsInstance(entry, CacheEntry)
+                    check_item(self, entry.item, entry.item["src"])
+
+
+def _build_and_read(cache, rate):
+    ds = CacheDataset(DATA, make_transform(), cache_rate=rate, runtime_cache=cache, progress=False)
+    for i in range(len(DATA)):
+        item = ds[i]
+        assert item["src"] == DATA[i], (item["src"], DATA[i])
+
+
+class TestNeverWrongOrStale(ManagerTestCase):
+    @parameterized.expand([("list",), ("listproxy",), ("process",), ("thread",)])
+    def test_set_data_same_container(self, kind):
+        cache = self.container(kind)
+        ds = CacheDataset(DATA, make_transform(self.log), runtime_cache=cache, progress=False)
+        slots = ds._slots
+        [ds[i] for i in range(10)]
+        new = [100 + i for i in range(6)] + DATA[6:]  # the last four stay the same
+        ds.set_data(new)
+        self.assertIs(ds._slots, slots)  # the same container, resynced
+        for i in range(10):
+            check_item(self, ds[i], new[i])
+        counts = executions(self.log)
+        self.assertEqual([counts[k] for k in DATA[6:]], [1] * 4)  # unchanged inputs stay cached
+        ds.set_data(DATA[:4])
+        self.assertEqual(len(ds._slots), 4)
+        if not isinstance(cache, str):
+            self.assertEqual(len(cache), 4)
+        for i in range(4):
+            check_item(self, ds[i], DATA[i])
+
+    @parameterized.expand([("spawn",), ("fork",)])
+    def test_set_data_between_epochs_workers(self, ctx):
+        cache = self.manager.list()
+        ds = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
+        for data in (
+            (DATA, [50 + i for i in range(12)]) if ctx == "spawn" else (DATA, [50 + i for i in range(12)], DATA[:3])
+        ):
+            ds.set_data(data)
+            loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=ctx, timeout=TIMEOUT)
+            got = sorted(int(s) for batch in loader for s in batch["src"])
+            self.assertEqual(got, sorted(data))
+            self.assertEqual(len(cache), len(data))
+            self.assertEqual([e.item["src"] for e in cache], list(data))
+
+    @parameterized.expand([("list",), ("listproxy",), ("process",)])
+    def test_two_datasets_share_a_container(self, kind):
+        cache = self.container(kind)
+        if kind == "process":
+            from monai.data.cache_store import SharedCacheStore
+
+            cache = SharedCacheStore()
+            self.addCleanup(cache.close)
+        a = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
+        b = CacheDataset([20 + i for i in range(10)], make_transform(), runtime_cache=cache, progress=False)
+        for _ in range(3):
+            for i in range(10):
+                check_item(self, a[i], DATA[i])
+                check_item(self, b[i], 20 + i)
+
+    @parameterized.expand([("list",), ("listproxy",), ("process",)])
+    def test_same_data_other_transforms_share_a_container(self, kind):
+        """A training and a validation dataset over the same inputs, one cache: each gets its own transforms' items."""
+        cache = self.container(kind)
+        if kind == "process":
+            from monai.data.cache_store import SharedCacheStore
+
+            cache = SharedCacheStore()
+            self.addCleanup(cache.close)
+        train = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
+        val = CacheDataset(DATA, Compose([Load(), Scale(10.0), RandAdd()]), runtime_cache=cache, progress=False)
+        for _ in range(2):
+            for i in range(10):
+                check_item(self, train[i], DATA[i])
+                self.assertTrue(torch.equal(val[i]["img"], torch.full((3, 4), 10.0 * DATA[i])), i)
+
+    def test_fingerprint_of_lambdas(self):
+        """Lambdas in the cached transforms: same code and closure values share, anything else does not."""
+        from monai.data.cache_slots import transform_fingerprint
+        from monai.transforms import Lambda
+
+        def fp(transforms):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no "cannot be pickled" fallback for lambdas
+                return transform_fingerprint(CacheDataset([], Compose(transforms), runtime_cache=True))
+
+        def scaled(factor):
+            return Lambda(lambda x: x * factor)
+
+        self.assertEqual(fp([Lambda(lambda x: x + 1)]), fp([Lambda(lambda x: x + 1)]))
+        self.assertNotEqual(fp([Lambda(lambda x: x + 1)]), fp([Lambda(lambda x: x + 2)]))
+        self.assertEqual(fp([scaled(2)]), fp([scaled(2)]))
+        self.assertNotEqual(fp([scaled(2)]), fp([scaled(3)]))
+        self.assertNotEqual(fp([Load()]), fp([Load(), Scale(2.0)]))
+        self.assertEqual(fp([Load(), RandAdd(), Scale(2.0)]), fp([Load(), RandAdd(), Scale(3.0)]))  # not cached
+
+    def test_fingerprint_same_in_another_process(self):
+        """A fresh interpreter (another rank) computes the same fingerprint for the same pipeline with a lambda."""
+        code = textwrap.dedent(f"""
+            import sys
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            from test_cachedataset_runtime_cache import fingerprint_with_lambda
+            print(fingerprint_with_lambda())
+            """)
+        outs = [
+            subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
+            for _ in range(2)
+        ]
+        for out in outs:
+            self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(outs[0].stdout, outs[1].stdout)
+        self.assertEqual(outs[0].stdout.strip(), fingerprint_with_lambda())
+
+    def test_other_process_set_data(self):
+        """A child process calls set_data with other data on the shared container; the parent stays right."""
+        cache = self.manager.list()
+        ds = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
+        [ds[i] for i in range(10)]
+        p = get_context("spawn").Process(target=_set_data_child, args=(cache,))
+        p.start()
+        p.join(TIMEOUT)
+        self.assertEqual(p.exitcode, 0)
+        self.assertEqual([e.item["src"] for e in cache if e is not None][:4], [200, 201, 202, 203])
+        for i in range(10):
+            check_item(self, ds[i], DATA[i])
+
+    @parameterized.expand([("list",), ("listproxy",)])
+    def test_prefilled(self, kind):
+        junk = [("junk", i) for i in range(4)] + [CacheEntry("not-the-key", {"src": -1})] + [{"src": -2}] * 5
+        cache = self.manager.list(junk) if kind == "listproxy" else list(junk)
+        ds = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
+        for i in range(10):
+            check_item(self, ds[i], DATA[i])
+
+    @parameterized.expand([(False,), (True,), ("thread",), ("process",), ("list",), ("listproxy",)])
+    def test_hash_as_key_duplicates(self, mode):
+        data = [{"id": 1}, {"id": 1}, {"id": 5}, {"id": 7}, {"id": 5}]
+        cache = self.container(mode) if mode in ("list", "listproxy") else mode
+        ds = CacheDataset(data, make_transform(self.log), hash_as_key=True, runtime_cache=cache, progress=False)
+        self.assertEqual(ds.cache_num, 3)
+        for _ in range(2):
+            for i, d in enumerate(data):
+                check_item(self, ds[i], d["id"])
+        self.assertEqual(executions(self.log), Counter({1: 1, 5: 1, 7: 1}))
+
+    def test_hash_as_key_no_linear_search(self):
+        ds = CacheDataset([{"id": i} for i in range(5)], make_transform(), hash_as_key=True, progress=False)
+        ds._hash_keys = None  # a linear search over the key list would fail now
+        check_item(self, ds[3], 3)
+
+
+def fingerprint_with_lambda() -> str:
+    from monai.data.cache_slots import transform_fingerprint
+    from monai.transforms import Lambdad
+
+    offset = {"a": 1.5}
+    pipeline = Compose([Load(), Lambdad("img", lambda x: x + offset["a"]), Scale(2.0), RandAdd()])
+    return transform_fingerprint(CacheDataset([], pipeline, runtime_cache=True))
+
+
+def _set_data_child(cache):
+    ds = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
+    ds.set_data([200 + i for i in range(10)])
+    for i in range(10):
+        assert ds[i]["src"] == 200 + i
+
+
+class TestValues(unittest.TestCase):
+    @parameterized.expand([("proc3ss",), ("Process",), ("",), ("threadz",)])
+    def test_bad_strings(self, value):
+        with self.assertRaisesRegex(ValueError, r"runtime_cache=.*accepted values.*'process'"):
+            CacheDataset(DATA, make_transform(), runtime_cache=value, progress=False)
+
+    @parameterized.expand([(7,), (0,), (1.5,), ((1, 2),), ({},), (object(),), (b"process",)])
+    def test_bad_types(self, value):
+        with self.assertRaisesRegex(TypeError, r"runtime_cache=.*accepted values"):
+            CacheDataset(DATA, make_transform(), runtime_cache=value, progress=False)
+
+    @parameterized.expand([(None,), (False,)])
+    def test_eager(self, value):
+        ds = CacheDataset(DATA, make_transform(), runtime_cache=value, progress=False)
+        self.assertIsNone(ds._slots)
+        self.assertEqual([d["src"] for d in ds._cache], DATA)
+
+    @parameterized.expand([(True,), ("thread",), ("threads",), ("process",), ("processes",)])
+    def test_modes(self, value):
+        ds = CacheDataset(DATA, make_transform(), runtime_cache=value, progress=False)
+        for i in range(10):
+            check_item(self, ds[i], DATA[i])
+
+    def test_smartcache_refuses(self):
+        from monai.data import SmartCacheDataset
+
+        with self.assertRaisesRegex(NotImplementedError, r"runtime_cache=True"):
+            SmartCacheDataset(DATA, make_transform(), runtime_cache=True)
+
+    def test_worker_warning_simulated(self):
+        ds = CacheDataset(DATA, make_transform(), runtime_cache=True, progress=False)
+        with mock.patch("torch.utils.data.get_worker_info", return_value=object()):
+            with self.assertWarnsRegex(UserWarning, "lost when the worker exits.*runtime_cache='process'"):
+                ds[0]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                ds[1]  # once only
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ds2 = CacheDataset(DATA, make_transform(), runtime_cache=True, progress=False)
+            ds2[0]  # not in a worker: no warning
+
+    def test_worker_warning_real(self):
+        """A real DataLoader worker filling a private list prints the warning once (in the worker's stderr)."""
+        code = textwrap.dedent(f"""
+            import sys
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            from test_cachedataset_runtime_cache import DATA, make_transform
+            from monai.data import CacheDataset, DataLoader
+            ds = CacheDataset(DATA, make_transform(), runtime_cache=True, progress=False)
+            out = sorted(int(s) for b in DataLoader(ds, batch_size=2, num_workers=1, timeout=60) for s in b["src"])
+            assert out == DATA, out
+            print("ok")
+            """)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(proc.stdout.strip(), "ok")
+        self.assertEqual(proc.stderr.count("inside a DataLoader worker process"), 1, proc.stderr)
+
+
+class TestFaults(ManagerTestCase):
+    def test_manager_killed_mid_epoch_main(self):
+        cache = self.manager.list()
+        ds = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
+        for i in range(5):
+            check_item(self, ds[i], DATA[i])
+        self.manager._process.kill()
+        self.manager._process.join(TIMEOUT)
+        with self.assertWarnsRegex(RuntimeWarning, "unreachable"):
+            check_item(self, ds[5], DATA[5])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # one warning per process only
+            for _ in range(2):
+                for i in range(10):
+                    check_item(self, ds[i], DATA[i])
+            ds.set_data(DATA[:5])  # resync with a dead server neither raises nor hangs
+            check_item(self, ds[4], 4)
+        self.manager = SyncManager(ctx=get_context("fork"))  # for tearDown
+        self.manager.start()
+
+    @parameterized.expand([("fork",), ("spawn",)])
+    def test_manager_killed_mid_epoch_workers(self, ctx):
+        cache = self.manager.list()
+        ds = CacheDataset(DATA * 4, make_transform(), runtime_cache=cache, progress=False)
+        loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=ctx, timeout=TIMEOUT)
+        got = []
+        t0 = time.monotonic()
+        for n, batch in enumerate(loader):
+            if n == 3:
+                self.manager._process.kill()
+                self.manager._process.join(TIMEOUT)
+            got.extend(int(s) for s in batch["src"])
+            for s, img in zip(batch["src"], batch["img"]):
+                self.assertTrue(torch.equal(img, torch.full((3, 4), float(s))))
+        self.assertLess(time.monotonic() - t0, TIMEOUT)
+        self.assertEqual(sorted(got), sorted(DATA * 4))
+        self.manager = SyncManager(ctx=get_context("fork"))
+        self.manager.start()
+
+    def test_list_slots_dead_container(self):
+        class Dead:
+            def __len__(self):
+                raise BrokenPipeError("gone")
+
+            __getitem__ = __setitem__ = __delitem__ = __len__
+
+        slots = ListSlots(Dead())
+        with self.assertWarns(RuntimeWarning):
+            slots.resize(3)
+        self.assertEqual(len(slots), 0)
+        self.assertFalse(slots.put(0, "k", 1))
+
+
+def _ddp_worker(rank: int, world: int, init: str, caches: list, rate: float, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        for n, cache in enumerate(caches):
+            log = os.path.join(out_dir, f"log{n}")
+            ds = CacheDataset(DATA, make_transform(log), cache_rate=rate, runtime_cache=cache, progress=False)
+            sampler = torch.utils.data.distributed.DistributedSampler(ds, shuffle=True, seed=1)
+            # fork workers: spawn workers are covered by TestSizing, and each costs a full interpreter start here
+            loader = DataLoader(
+                ds, batch_size=2, sampler=sampler, num_workers=2, timeout=TIMEOUT, multiprocessing_context="fork"
+            )
+            seen = []
+            for epoch in range(2):
+                sampler.set_epoch(epoch)
+                for batch in loader:
+                    for s, img in zip(batch["src"], batch["img"]):
+                        assert torch.equal(img, torch.full((3, 4), float(s))), (rank, int(s))
+                        seen.append(int(s))
+            with open(os.path.join(out_dir, f"seen{n}-rank{rank}"), "w") as f:
+                f.write(" ".join(map(str, seen)))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+class TestDistributed(ManagerTestCase):
+    @parameterized.expand([(0.5,), (1.0,)])
+    def test_two_gloo_ranks_share_listproxy(self, rate):
+        """Cases 1-3 (empty, shorter, longer ListProxy made in the parent) across 2 spawned gloo ranks."""
+        lengths = (0, 3, 20)
+        caches = [self.manager.list([None] * n) for n in lengths]
+        init = f"file://{os.path.join(self.tmp, 'rdzv')}"
+        ctx = torch.multiprocessing.spawn(
+            _ddp_worker, args=(2, init, caches, rate, self.tmp), nprocs=2, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + 2 * TIMEOUT
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    kill_tree(p.pid)
+                self.fail("distributed workers timed out")
+        cache_num = int(len(DATA) * rate)
+        for n, cache in enumerate(caches):
+            self.assertEqual(len(cache), cache_num, f"initial length {lengths[n]}")
+            self.assertEqual([e.item["src"] for e in cache], DATA[:cache_num])
+            seen = []
+            for r in range(2):
+                with open(os.path.join(self.tmp, f"seen{n}-rank{r}")) as f:
+                    seen += [int(x) for x in f.read().split()]
+            self.assertEqual(sorted(seen), sorted(DATA * 2))  # 2 epochs, each item once per epoch across ranks
+            counts = executions(os.path.join(self.tmp, f"log{n}"))
+            # a cached item is computed at most once per rank (a ListProxy has no claims), the others every epoch
+            for k in DATA[:cache_num]:
+                self.assertIn(counts[k], (1, 2))
+            for k in DATA[cache_num:]:
+                self.assertEqual(counts[k], 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
