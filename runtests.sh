@@ -26,7 +26,7 @@ usage: ./runtests.sh [--unittests] [--quick] [--codeformat] [--docs] [--export-p
   --quick         with --unittests: skip the slow tests (also sets QUICKTEST=1, as in MONAI)
   --codeformat    black (120), isort, flake8 and mypy on the overlay, build backend, tests and patched files
   --docs          build the Sphinx docs with warnings as errors (docs/build/html) and run every recipe of the guide
-  --export-patch  write dist/monai-<version>.patch (git format, against upstream) and dist/PR.md
+  --export-patch  write the upstream PR series: dist/pr/NN-<slug>.patch and dist/pr/NN-<slug>.md (docs/pr/series.ini)
   --build         build the wheel and sdist into dist/
   --clean         remove build/, dist/ and caches
   -h, --help      this help

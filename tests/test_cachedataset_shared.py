@@ -8,7 +8,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Regression tests of CacheDataset's runtime cache: sizing, resync, content keys, hash_as_key, faults, processes."""
+"""CacheDataset runtime caches shared by processes: workers, ranks, faults, several datasets on one cache, the store."""
 
 from __future__ import annotations
 
@@ -24,14 +24,15 @@ import warnings
 from collections import Counter
 from multiprocessing import get_context
 from multiprocessing.managers import SyncManager
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader
-from monai.data.cache_slots import CacheEntry, ListSlots
+from monai.data.cache_store import SharedCacheStore
+from monai.data.dataset import _ListCache
+from monai.data.utils import transforms_hashing
 from monai.transforms import Compose, RandomizableTransform, Transform
 
 TIMEOUT = 120  # seconds for any wait on another process
@@ -55,10 +56,10 @@ class Load(Transform):
 
 
 class RandAdd(RandomizableTransform):
-    """A random transform that modifies the cached item in place (to catch shared, unprotected cache content)."""
+    """A random transform that adds 1 in place: an item shared with the cache would come back with 2, then 3."""
 
     def __call__(self, d):
-        d["img"] += 0.0  # in place on purpose
+        d["img"] += 1.0  # in place on purpose
         d["seen"] = True
         return d
 
@@ -81,9 +82,11 @@ def first_item(batch):
     return batch[0]
 
 
-def check_item(test: unittest.TestCase, item: dict, src) -> None:
+def check_item(test: unittest.TestCase, item: dict, src, added: float = 1.0) -> None:
+    """``item`` is ``Load()(src)`` and then, unless it is a cached item (``added=0``), ``RandAdd`` once."""
     test.assertEqual(item["src"], src)
-    test.assertTrue(torch.equal(torch.as_tensor(item["img"]), torch.full((3, 4), float(src))), f"wrong image for {src}")
+    expected = torch.full((3, 4), float(src) + added)
+    test.assertTrue(torch.equal(torch.as_tensor(item["img"]), expected), f"wrong image for {src}: {item['img']}")
 
 
 def kill_tree(pid: int) -> None:
@@ -153,7 +156,7 @@ class TestSizing(ManagerTestCase):
             for i in range(len(DATA)):
                 check_item(self, ds[i], DATA[i])
         check_item(self, ds[-1], DATA[-1])
-        self.assertEqual(len(ds._slots), ds.cache_num)
+        self.assertEqual(len(ds._cache), ds.cache_num)
         if not isinstance(cache, str):
             self.assertEqual(len(cache), ds.cache_num)
         # the compatibility view holds the cached items themselves
@@ -175,10 +178,10 @@ class TestSizing(ManagerTestCase):
             got = sorted((item["src"], item["img"]) for item in loader)
             self.assertEqual([s for s, _ in got], DATA)
             for src, img in got:
-                self.assertTrue(torch.equal(img, torch.full((3, 4), float(src))))
+                self.assertTrue(torch.equal(img, torch.full((3, 4), float(src) + 1)))
         if kind == "listproxy":
             self.assertEqual(len(cache), 5)
-        self.assertEqual(len(ds._slots), 5)
+        self.assertEqual(len(ds._cache), 5)
         # shared with the workers: the parent sees what they cached; cached items ran once, the others every epoch
         self.assertEqual([d["src"] if d is not None else None for d in ds._cache], DATA[:5])
         counts = executions(self.log)
@@ -208,28 +211,33 @@ class TestSizing(ManagerTestCase):
             CacheDataset(DATA, make_transform(), runtime_cache=Fixed(), progress=False)
 
     def test_concurrent_resize(self):
-        """Several processes resize one ListProxy at once: always exactly cache_num."""
+        """Processes resize one ListProxy to different lengths at once and read: every item right, whoever wins."""
+        rates = (0.3, 0.5, 1.0, 0.5, 0.3, 1.0)
         for trial in range(3):
             cache = self.manager.list([None] * (trial * 7))
             ctx = get_context("fork")
-            procs = [ctx.Process(target=_build_and_read, args=(cache, 0.5)) for _ in range(3)]
+            start = ctx.Barrier(len(rates))
+            procs = [ctx.Process(target=_build_and_read, args=(cache, rate, start)) for rate in rates]
             for p in procs:
                 p.start()
             for p in procs:
                 p.join(TIMEOUT)
                 self.assertEqual(p.exitcode, 0)
-            self.assertEqual(len(cache), 5)
-            for entry in cache:
-                if entry is not None:
-                    self.assertIsInstance(entry, CacheEntry)
-                    check_item(self, entry.item, entry.item["src"])
+            self.assertIn(len(cache), {int(len(DATA) * r) for r in rates})
+            entries = list(cache)
+            self.assertTrue(any(e is not None for e in entries))
+            for i, entry in enumerate(entries):
+                if entry is not None:  # slot i caches DATA[i] in every dataset
+                    check_item(self, entry[1], DATA[i], added=0.0)
 
 
-def _build_and_read(cache, rate):
+def _build_and_read(cache, rate, start):
+    start.wait(TIMEOUT)
     ds = CacheDataset(DATA, make_transform(), cache_rate=rate, runtime_cache=cache, progress=False)
-    for i in range(len(DATA)):
-        item = ds[i]
-        assert item["src"] == DATA[i], (item["src"], DATA[i])
+    for _ in range(3):
+        for i in range(len(DATA)):
+            item = ds[i]
+            assert item["src"] == DATA[i] and torch.equal(item["img"], torch.full((3, 4), DATA[i] + 1.0)), (i, item)
 
 
 class TestNeverWrongOrStale(ManagerTestCase):
@@ -237,17 +245,18 @@ class TestNeverWrongOrStale(ManagerTestCase):
     def test_set_data_same_container(self, kind):
         cache = self.container(kind)
         ds = CacheDataset(DATA, make_transform(self.log), runtime_cache=cache, progress=False)
-        slots = ds._slots
+        slots = ds._runtime
         [ds[i] for i in range(10)]
         new = [100 + i for i in range(6)] + DATA[6:]  # the last four stay the same
         ds.set_data(new)
-        self.assertIs(ds._slots, slots)  # the same container, resynced
         for i in range(10):
             check_item(self, ds[i], new[i])
-        counts = executions(self.log)
-        self.assertEqual([counts[k] for k in DATA[6:]], [1] * 4)  # unchanged inputs stay cached
+        if kind != "thread":  # as upstream, "thread" starts a new private list at every set_data
+            self.assertIs(ds._runtime, slots)  # the same container, resynced
+            counts = executions(self.log)
+            self.assertEqual([counts[k] for k in DATA[6:]], [1] * 4)  # unchanged inputs stay cached
         ds.set_data(DATA[:4])
-        self.assertEqual(len(ds._slots), 4)
+        self.assertEqual(len(ds._cache), 4)
         if not isinstance(cache, str):
             self.assertEqual(len(cache), 4)
         for i in range(4):
@@ -265,7 +274,7 @@ class TestNeverWrongOrStale(ManagerTestCase):
             got = sorted(int(s) for batch in loader for s in batch["src"])
             self.assertEqual(got, sorted(data))
             self.assertEqual(len(cache), len(data))
-            self.assertEqual([e.item["src"] for e in cache], list(data))
+            self.assertEqual([e[1]["src"] for e in cache], list(data))
 
     @parameterized.expand([("list",), ("listproxy",), ("process",)])
     def test_two_datasets_share_a_container(self, kind):
@@ -296,17 +305,17 @@ class TestNeverWrongOrStale(ManagerTestCase):
         for _ in range(2):
             for i in range(10):
                 check_item(self, train[i], DATA[i])
-                self.assertTrue(torch.equal(val[i]["img"], torch.full((3, 4), 10.0 * DATA[i])), i)
+                self.assertTrue(torch.equal(val[i]["img"], torch.full((3, 4), 10.0 * DATA[i] + 1)), i)
 
     def test_fingerprint_of_lambdas(self):
         """Lambdas in the cached transforms: same code and closure values share, anything else does not."""
-        from monai.data.cache_slots import transform_fingerprint
         from monai.transforms import Lambda
 
         def fp(transforms):
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")  # no "cannot be pickled" fallback for lambdas
-                return transform_fingerprint(CacheDataset([], Compose(transforms), runtime_cache=True))
+            first_random = Compose(transforms).get_index_of_first(lambda t: isinstance(t, RandomizableTransform))
+            digest = transforms_hashing(transforms[:first_random])
+            self.assertIsNotNone(digest)  # lambdas do not make it fall back to a random tag
+            return digest
 
         def scaled(factor):
             return Lambda(lambda x: x * factor)
@@ -323,7 +332,7 @@ class TestNeverWrongOrStale(ManagerTestCase):
         code = textwrap.dedent(f"""
             import sys
             sys.path.insert(0, {os.path.dirname(__file__)!r})
-            from test_cachedataset_runtime_cache import fingerprint_with_lambda
+            from test_cachedataset_shared import fingerprint_with_lambda
             print(fingerprint_with_lambda())
             """)
         outs = [
@@ -334,6 +343,7 @@ class TestNeverWrongOrStale(ManagerTestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
         self.assertEqual(outs[0].stdout, outs[1].stdout)
         self.assertEqual(outs[0].stdout.strip(), fingerprint_with_lambda())
+        self.assertNotEqual(fingerprint_with_lambda(), "None")
 
     def test_other_process_set_data(self):
         """A child process calls set_data with other data on the shared container; the parent stays right."""
@@ -344,13 +354,13 @@ class TestNeverWrongOrStale(ManagerTestCase):
         p.start()
         p.join(TIMEOUT)
         self.assertEqual(p.exitcode, 0)
-        self.assertEqual([e.item["src"] for e in cache if e is not None][:4], [200, 201, 202, 203])
+        self.assertEqual([e[1]["src"] for e in cache if e is not None][:4], [200, 201, 202, 203])
         for i in range(10):
             check_item(self, ds[i], DATA[i])
 
     @parameterized.expand([("list",), ("listproxy",)])
     def test_prefilled(self, kind):
-        junk = [("junk", i) for i in range(4)] + [CacheEntry("not-the-key", {"src": -1})] + [{"src": -2}] * 5
+        junk = [("junk", i) for i in range(4)] + [("not-the-key", {"src": -1})] + [{"src": -2}] * 5
         cache = self.manager.list(junk) if kind == "listproxy" else list(junk)
         ds = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
         for i in range(10):
@@ -367,19 +377,13 @@ class TestNeverWrongOrStale(ManagerTestCase):
                 check_item(self, ds[i], d["id"])
         self.assertEqual(executions(self.log), Counter({1: 1, 5: 1, 7: 1}))
 
-    def test_hash_as_key_no_linear_search(self):
-        ds = CacheDataset([{"id": i} for i in range(5)], make_transform(), hash_as_key=True, progress=False)
-        ds._hash_keys = None  # a linear search over the key list would fail now
-        check_item(self, ds[3], 3)
-
 
 def fingerprint_with_lambda() -> str:
-    from monai.data.cache_slots import transform_fingerprint
     from monai.transforms import Lambdad
 
     offset = {"a": 1.5}
-    pipeline = Compose([Load(), Lambdad("img", lambda x: x + offset["a"]), Scale(2.0), RandAdd()])
-    return transform_fingerprint(CacheDataset([], pipeline, runtime_cache=True))
+    pipeline = [Load(), Lambdad("img", lambda x: x + offset["a"]), Scale(2.0)]
+    return str(transforms_hashing(pipeline))
 
 
 def _set_data_child(cache):
@@ -390,20 +394,21 @@ def _set_data_child(cache):
 
 
 class TestValues(unittest.TestCase):
-    @parameterized.expand([("proc3ss",), ("Process",), ("",), ("threadz",)])
+    @parameterized.expand([("proc3ss",), ("Process",), ("",), ("THREAD",)])
     def test_bad_strings(self, value):
-        with self.assertRaisesRegex(ValueError, r"runtime_cache=.*accepted values.*'process'"):
+        with self.assertRaisesRegex(ValueError, r"runtime_cache=.*accepted strings contain 'thread' or 'process'"):
             CacheDataset(DATA, make_transform(), runtime_cache=value, progress=False)
 
-    @parameterized.expand([(7,), (0,), (1.5,), ((1, 2),), ({},), (object(),), (b"process",)])
+    @parameterized.expand([(7,), (1.5,), ((1, 2),), ({},), (object(),), (b"process",)])
     def test_bad_types(self, value):
-        with self.assertRaisesRegex(TypeError, r"runtime_cache=.*accepted values"):
+        with self.assertRaisesRegex(TypeError, r"runtime_cache of type .* is not supported; accepted values"):
             CacheDataset(DATA, make_transform(), runtime_cache=value, progress=False)
 
-    @parameterized.expand([(None,), (False,)])
+    @parameterized.expand([(None,), (False,), (0,)])
     def test_eager(self, value):
+        """As upstream, 0 (== False) fills the cache in the constructor."""
         ds = CacheDataset(DATA, make_transform(), runtime_cache=value, progress=False)
-        self.assertIsNone(ds._slots)
+        self.assertIsNone(ds._runtime)
         self.assertEqual([d["src"] for d in ds._cache], DATA)
 
     @parameterized.expand([(True,), ("thread",), ("threads",), ("process",), ("processes",)])
@@ -415,38 +420,29 @@ class TestValues(unittest.TestCase):
     def test_smartcache_refuses(self):
         from monai.data import SmartCacheDataset
 
-        with self.assertRaisesRegex(NotImplementedError, r"runtime_cache=True"):
+        with self.assertRaisesRegex(NotImplementedError, r"runtime_cache=False"):
             SmartCacheDataset(DATA, make_transform(), runtime_cache=True)
 
-    def test_worker_warning_simulated(self):
-        ds = CacheDataset(DATA, make_transform(), runtime_cache=True, progress=False)
-        with mock.patch("torch.utils.data.get_worker_info", return_value=object()):
-            with self.assertWarnsRegex(UserWarning, "lost when the worker exits.*runtime_cache='process'"):
-                ds[0]
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                ds[1]  # once only
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            ds2 = CacheDataset(DATA, make_transform(), runtime_cache=True, progress=False)
-            ds2[0]  # not in a worker: no warning
 
-    def test_worker_warning_real(self):
-        """A real DataLoader worker filling a private list prints the warning once (in the worker's stderr)."""
-        code = textwrap.dedent(f"""
-            import sys
-            sys.path.insert(0, {os.path.dirname(__file__)!r})
-            from test_cachedataset_runtime_cache import DATA, make_transform
-            from monai.data import CacheDataset, DataLoader
-            ds = CacheDataset(DATA, make_transform(), runtime_cache=True, progress=False)
-            out = sorted(int(s) for b in DataLoader(ds, batch_size=2, num_workers=1, timeout=60) for s in b["src"])
-            assert out == DATA, out
-            print("ok")
-            """)
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
-        self.assertEqual(proc.returncode, 0, proc.stderr)
-        self.assertEqual(proc.stdout.strip(), "ok")
-        self.assertEqual(proc.stderr.count("inside a DataLoader worker process"), 1, proc.stderr)
+class TestStoreModes(unittest.TestCase):
+    @parameterized.expand([(m, r) for m in ("process", "store") for r in (0.5, 1.0)])
+    def test_sequence_indexing(self, mode, rate):
+        cache = SharedCacheStore() if mode == "store" else mode
+        if isinstance(cache, SharedCacheStore):
+            self.addCleanup(cache.close)
+        ds = CacheDataset(DATA, make_transform(), cache_rate=rate, runtime_cache=cache, progress=False)
+        self.assertIsInstance(ds._runtime, SharedCacheStore)
+        for _ in range(2):  # the second time from the store
+            for i in range(-len(DATA), len(DATA)):
+                check_item(self, ds[i], DATA[i])
+        for i in (len(DATA), -len(DATA) - 1):
+            with self.assertRaises(IndexError):
+                ds[i]
+        self.assertEqual([d["src"] for d in ds], DATA)
+        self.assertEqual([d["src"] for d in ds[1:8:3]], [1, 4, 7])
+        self.assertEqual([d["src"] for d in ds[[9, -10]]], [9, 0])
+        self.assertEqual(len(ds), len(DATA))
+        self.assertEqual([d["src"] for d in ds._cache], DATA[: ds.cache_num])
 
 
 class TestFaults(ManagerTestCase):
@@ -482,24 +478,26 @@ class TestFaults(ManagerTestCase):
                 self.manager._process.join(TIMEOUT)
             got.extend(int(s) for s in batch["src"])
             for s, img in zip(batch["src"], batch["img"]):
-                self.assertTrue(torch.equal(img, torch.full((3, 4), float(s))))
+                self.assertTrue(torch.equal(img, torch.full((3, 4), float(s) + 1)))
         self.assertLess(time.monotonic() - t0, TIMEOUT)
         self.assertEqual(sorted(got), sorted(DATA * 4))
         self.manager = SyncManager(ctx=get_context("fork"))
         self.manager.start()
 
-    def test_list_slots_dead_container(self):
+    def test_dead_container(self):
         class Dead:
             def __len__(self):
                 raise BrokenPipeError("gone")
 
             __getitem__ = __setitem__ = __delitem__ = __len__
 
-        slots = ListSlots(Dead())
-        with self.assertWarns(RuntimeWarning):
-            slots.resize(3)
-        self.assertEqual(len(slots), 0)
-        self.assertFalse(slots.put(0, "k", 1))
+        cache = _ListCache(Dead())
+        with self.assertWarnsRegex(RuntimeWarning, "unreachable"):
+            cache.resize(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once
+            self.assertIsNone(cache.get(0, "k"))
+            self.assertEqual(cache.get_or_compute(0, "k", lambda: 42), 42)
 
 
 def _ddp_worker(rank: int, world: int, init: str, caches: list, rate: float, out_dir: str) -> None:
@@ -514,11 +512,11 @@ def _ddp_worker(rank: int, world: int, init: str, caches: list, rate: float, out
                 ds, batch_size=2, sampler=sampler, num_workers=2, timeout=TIMEOUT, multiprocessing_context="fork"
             )
             seen = []
-            for epoch in range(2):
+            for epoch in range(3):
                 sampler.set_epoch(epoch)
                 for batch in loader:
                     for s, img in zip(batch["src"], batch["img"]):
-                        assert torch.equal(img, torch.full((3, 4), float(s))), (rank, int(s))
+                        assert torch.equal(img, torch.full((3, 4), float(s) + 1)), (rank, int(s))
                         seen.append(int(s))
             with open(os.path.join(out_dir, f"seen{n}-rank{rank}"), "w") as f:
                 f.write(" ".join(map(str, seen)))
@@ -546,18 +544,20 @@ class TestDistributed(ManagerTestCase):
         cache_num = int(len(DATA) * rate)
         for n, cache in enumerate(caches):
             self.assertEqual(len(cache), cache_num, f"initial length {lengths[n]}")
-            self.assertEqual([e.item["src"] for e in cache], DATA[:cache_num])
+            self.assertEqual([e[1]["src"] for e in cache], DATA[:cache_num])
             seen = []
             for r in range(2):
                 with open(os.path.join(self.tmp, f"seen{n}-rank{r}")) as f:
                     seen += [int(x) for x in f.read().split()]
-            self.assertEqual(sorted(seen), sorted(DATA * 2))  # 2 epochs, each item once per epoch across ranks
+            self.assertEqual(sorted(seen), sorted(DATA * 3))  # 3 epochs, each item once per epoch across ranks
             counts = executions(os.path.join(self.tmp, f"log{n}"))
-            # a cached item is computed at most once per rank (a ListProxy has no claims), the others every epoch
+            # a cached item is computed at most once per rank (a ListProxy has no claims, so both ranks may miss it
+            # at once), never once per epoch as without a cache; the others every epoch
             for k in DATA[:cache_num]:
-                self.assertIn(counts[k], (1, 2))
+                self.assertGreaterEqual(counts[k], 1)
+                self.assertLessEqual(counts[k], 2)
             for k in DATA[cache_num:]:
-                self.assertEqual(counts[k], 2)
+                self.assertEqual(counts[k], 3)
 
 
 if __name__ == "__main__":

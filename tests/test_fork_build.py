@@ -121,11 +121,12 @@ class TestArchives(unittest.TestCase):
         info = f"monai-{build.VERSION}.dist-info"
         with zipfile.ZipFile(self.wheel) as zf:
             names = set(zf.namelist())
-            for f in ("monai/data/cache_slots.py", "monai/data/cache_store.py", "monai/data/shared_cache.py"):
+            for f in ("monai/data/cache_store.py", "monai/data/shared_cache.py"):
                 self.assertIn(f, names)
             self.assertIn(f'"version": "{build.VERSION}"', zf.read("monai/_version.py").decode())
             self.assertIn(f"\nVersion: {build.VERSION}\n", zf.read(f"{info}/METADATA").decode())
-            self.assertIn("sync_runtime_cache", zf.read("monai/data/dataset.py").decode())
+            self.assertIn("def _sync_runtime_cache", zf.read("monai/data/dataset.py").decode())
+            self.assertIn("def transforms_hashing", zf.read("monai/data/utils.py").decode())
             rows = list(csv.reader(io.StringIO(zf.read(f"{info}/RECORD").decode())))
             self.assertEqual({r[0] for r in rows}, names)
             for name, digest, size in rows:
@@ -151,7 +152,7 @@ class TestArchives(unittest.TestCase):
             "PKG-INFO",
             "pyproject.toml",
             "build_backend/monai_sharedcache_build.py",
-            "monai/data/cache_slots.py",
+            "monai/data/cache_store.py",
         ):
             self.assertIn(f"{base}/{member}", names)
         self.assertTrue(any(n.startswith(f"{base}/patches/") for n in names))
@@ -193,39 +194,58 @@ class TestInstall(unittest.TestCase):
 
 
 @unittest.skipIf(shutil.which("git") is None, "needs git")
-class TestExportPatch(unittest.TestCase):
-    def test_applies_to_unpacked_upstream(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = build.export_patch(Path(tmp) / "fork.patch")
-            text = out.read_text()
-            self.assertTrue(text.startswith("From "))
-            self.assertIn("new file mode", text)
-            self.assertIn("b/monai/data/cache_store.py", text)
-            self.assertIn("b/tests/data/test_cachedataset_runtime_cache.py", text)
+class TestPRSeries(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp()
+        cls.written = build.export_series(Path(cls.tmp) / "pr")
+        cls.stages = build.read_series()
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_series_files(self):
+        names = [p.name for p in self.written]
+        self.assertEqual(names, [f"{st.name}{ext}" for st in self.stages for ext in (".patch", ".md")])
+        self.assertEqual([st.name[:3] for st in self.stages], ["01-", "02-", "03-"])
+        first = (Path(self.tmp) / "pr" / f"{self.stages[0].name}.patch").read_text()
+        # PR 01 is the fix alone: no store, no helper, within its cap (export_series raises past it)
+        self.assertNotIn("cache_store", first)
+        self.assertNotIn("create_shared_cache", first)
+        self.assertIn("b/tests/data/test_cachedataset_runtime_cache.py", first)
+        self.assertLessEqual(self.stages[0].max_lines or 0, 400)
+        for st in self.stages:
+            text = (Path(self.tmp) / "pr" / f"{st.name}.patch").read_text()
+            self.assertTrue(text.startswith("From: "), st.name)
             self.assertNotIn("test_fork_", text)
-            self.assertIn("b/docs/source/caching_guide.rst", text)
-            self.assertNotIn("b/docs/source/conf.py", text)
-            tree = Path(tmp) / "upstream"
-            with zipfile.ZipFile(build.find_upstream_wheel()) as zf:
-                zf.extractall(tree)
-            proc = subprocess.run(["git", "apply", "--check", str(out)], cwd=tree, capture_output=True, text=True)
-            self.assertEqual(proc.returncode, 0, proc.stderr)
-            proc = subprocess.run(["git", "apply", str(out)], cwd=tree, capture_output=True, text=True)
-            self.assertEqual(proc.returncode, 0, proc.stderr)
-            self.assertIn("sync_runtime_cache", (tree / "monai/data/dataset.py").read_text())
-            if QUICK:
-                return
-            # our tests, at MONAI's test paths, pass against the patched upstream tree
-            env = {**os.environ, "PYTHONPATH": str(tree), "QUICKTEST": "1"}
-            tests = [
-                str(tree / "tests/data/test_cachedataset_runtime_cache.py"),
-                str(tree / "tests/data/test_cache_store.py"),
-            ]
-            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
-            cmd += ["-k", "not Distributed and not dataloader_workers and not between_epochs and not real"]
-            proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
-            self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
+            # no file of MONAI's own docs is created, only changed
+            for name in ("api.rst", "index.rst", "conf.py", "data.rst"):
+                self.assertNotIn(f"--- /dev/null\n+++ b/docs/source/{name}", text)
+            md = (Path(self.tmp) / "pr" / f"{st.name}.md").read_text()
+            self.assertIn("changed lines", md)
+            for section in ("## What changes for users", "## Tests", "## Benchmark", "## Files"):
+                self.assertIn(section, md)
+
+    @unittest.skipIf(QUICK, "slow: runs every stage's tests against its own tree")
+    def test_each_stage_applies_and_passes_its_tests(self):
+        """Apply PR 01, 02, 03 in turn to one unpacked upstream wheel; after each, run all of that PR's tests."""
+        tree = Path(self.tmp) / "upstream"
+        with zipfile.ZipFile(build.find_upstream_wheel()) as zf:
+            zf.extractall(tree)
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        env.pop("QUICKTEST", None)
+        for st in self.stages:
+            patch = str(Path(self.tmp) / "pr" / f"{st.name}.patch")
+            cmd = ["git", "apply", "--include=monai/*", "--include=tests/*", patch]
+            proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+            self.assertEqual(proc.returncode, 0, f"{st.name}: {proc.stderr}")
+            tests = [str(tree / build.UPSTREAM_TEST_DIR / t) for t in st.tests]
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=600", *tests]
+            proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=2400)
+            self.assertEqual(proc.returncode, 0, f"{st.name}: " + proc.stdout[-3000:] + proc.stderr[-3000:])
             self.assertRegex(proc.stdout, r"\d+ passed")
+            self.assertNotRegex(proc.stdout, r"\d+ (failed|error)")
             code = "import monai.data, sys; sys.stdout.write(monai.data.__file__)"
             out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
             self.assertTrue(out.stdout.startswith(str(tree)), out.stdout + out.stderr)

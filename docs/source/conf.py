@@ -35,7 +35,10 @@ if os.path.isdir(os.path.join(TREE, "monai")) and TREE not in sys.path:
     sys.path.insert(0, TREE)
 
 import monai  # noqa: E402
-from monai.data import cache_slots  # noqa: E402  (fails early if an upstream MONAI without the fork is imported)
+
+# fails early if an upstream MONAI without the fork is imported
+from monai.data import SharedCacheStore, create_shared_cache  # noqa: E402
+from monai.data.utils import transforms_hashing  # noqa: E402
 
 # -- project ----------------------------------------------------------------------------------------------------------
 
@@ -109,4 +112,4 @@ html_show_sourcelink = True
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-_ = cache_slots  # imported above only as a check
+_ = SharedCacheStore, create_shared_cache, transforms_hashing  # imported above only as a check

@@ -43,7 +43,6 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-
 __all__ = ["MISS", "SharedCacheStore"]
 
 

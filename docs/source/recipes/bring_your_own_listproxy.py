@@ -14,9 +14,9 @@ Recipe: your own ``multiprocessing`` ``ListProxy``, made in the parent and share
     python bring_your_own_listproxy.py
 
 This is the pattern upstream MONAI asks for since 1.1. Here it is checked: the list may have any length (it is
-resized in place to ``cache_num``), may hold anything (only entries stored for the very same input are served), and
-every filled slot is a ``CacheEntry(key, item)``. For new code prefer ``create_shared_cache()`` (no server process, no
-authkey, no per-tensor file descriptors, each item computed once).
+resized in place to ``cache_num``), may hold anything (only items stored for the very same input and transforms are
+served), and every filled slot is a ``(key, item)`` tuple. For new code prefer ``create_shared_cache()`` (no server
+process, no authkey, no per-tensor file descriptors, each item computed once).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
-from monai.data import CacheDataset, CacheEntry, DataLoader
+from monai.data import CacheDataset, DataLoader
+from monai.data.utils import pickle_hashing
 from monai.transforms import Compose, RandFlipd, Transform
 
 WORLD_SIZE = 2
@@ -38,13 +39,12 @@ WORKER_CONTEXT = "fork" if sys.platform.startswith("linux") else None  # see mp_
 
 
 class Load(Transform):
-    """Deterministic, so its output is cached. Appends one line per execution to ``log``, to count them."""
+    """Deterministic, so its output is cached. Appends one line per execution to a log, to count them."""
 
-    def __init__(self, log: str) -> None:
-        self.log = log
-
+    # the log path is read when called, not kept as an attribute: the cached transforms must be configured the same
+    # on every rank, since a hash of them is part of every cache key (a per-rank attribute would split the cache)
     def __call__(self, d: dict) -> dict:
-        with open(self.log, "a") as f:
+        with open(os.environ["RECIPE_EXECUTION_LOG"], "a") as f:
             f.write(f"{d['id']}\n")
         return {"id": d["id"], "image": torch.full((1, 8, 8), float(d["id"]))}
 
@@ -59,9 +59,9 @@ def executions(log: str) -> int:
 def rank_main(rank: int, world_size: int, tmp: str, cache) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
     try:
-        log = os.path.join(tmp, f"rank{rank}.log")
+        os.environ["RECIPE_EXECUTION_LOG"] = os.path.join(tmp, f"rank{rank}.log")  # DataLoader workers inherit it
         data = [{"id": i} for i in range(16)]
-        transform = Compose([Load(log), RandFlipd(keys="image", prob=0.5, spatial_axis=0)])
+        transform = Compose([Load(), RandFlipd(keys="image", prob=0.5, spatial_axis=0)])
         ds = CacheDataset(data, transform, runtime_cache=cache)  # resizes the shared list in place: len 16
         sampler = DistributedSampler(ds, shuffle=True, seed=0)
         loader = DataLoader(
@@ -87,11 +87,16 @@ def main() -> None:
         cache = manager.list(["stale", None])
         torch.multiprocessing.spawn(rank_main, args=(WORLD_SIZE, tmp, cache), nprocs=WORLD_SIZE)
 
-        # the parent sees what the ranks cached: one CacheEntry(key, item) per slot
+        # the parent sees what the ranks cached: one (key, item) tuple per slot, the key being
+        # "<hash_func of the input>-<transforms_hashing of the cached transforms>"
         entries = list(cache)
-        assert len(entries) == 16 and all(isinstance(e, CacheEntry) for e in entries)
-        assert [e.item["id"] for e in entries] == list(range(16))
-        print(f"slot 0: key={entries[0].key!r} item id={entries[0].item['id']}")
+        assert len(entries) == 16 and all(isinstance(e, tuple) and len(e) == 2 for e in entries)
+        assert [item["id"] for _, item in entries] == list(range(16))
+        inputs = [key.rsplit("-", 1)[0] for key, _ in entries]
+        assert inputs == [pickle_hashing({"id": i}).decode() for i in range(16)]  # the default hash_func
+        assert len({key.rsplit("-", 1)[1] for key, _ in entries}) == 1, "both ranks' transforms have the same hash"
+        key, item = entries[0]
+        print(f"slot 0: key={key!r} item id={item['id']}")
         computed = sum(executions(os.path.join(tmp, f"rank{r}.log")) for r in range(WORLD_SIZE))
         # a ListProxy has no claims: a rank may compute an item that another rank is computing at the same time
         print(f"computed {computed} times for 16 items")

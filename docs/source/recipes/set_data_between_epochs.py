@@ -92,7 +92,8 @@ def with_a_list(log: str) -> None:
     ds = CacheDataset([{"id": i} for i in range(16)], transform, runtime_cache=cache)
     for i in range(len(ds)):
         ds[i]
-    assert len(cache) == 16 and all(entry.item["id"] == i for i, entry in enumerate(cache))
+    # every filled slot holds a (key, item) tuple
+    assert len(cache) == 16 and all(item["id"] == i for i, (key, item) in enumerate(cache))
 
     ds.set_data([{"id": i} for i in range(8, 28)])
     assert len(cache) == 20  # the same list object, resized in place

@@ -36,7 +36,7 @@ class Load(Transform):
     """Deterministic, so its output is cached. Appends one line per execution to ``log``, to count them."""
 
     # the log path is read when called, not kept as an attribute: the cached transforms must be configured the same
-    # on every rank, since a fingerprint of them is part of every cache key (a per-rank attribute would split the cache)
+    # on every rank, since a hash of them is part of every cache key (a per-rank attribute would split the cache)
     def __call__(self, d: dict) -> dict:
         with open(os.environ["RECIPE_EXECUTION_LOG"], "a") as f:
             f.write(f"{d['id']}\n")
