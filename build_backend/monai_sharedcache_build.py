@@ -637,9 +637,7 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
             run("add", "-A")
             run("commit", "-q", "-m", st.title)
             diff = run("diff", "HEAD~1", "HEAD") + "".join(docs_diffs)
-            changed = sum(
-                1 for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++ ", "--- "))
-            )
+            changed = sum(1 for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++ ", "--- ")))
             if st.max_lines is not None and changed > st.max_lines:
                 raise BuildError(f"PR {st.name} changes {changed} lines, over its cap of {st.max_lines}")
             stat = run("diff", "--stat=100", "HEAD~1", "HEAD").rstrip()

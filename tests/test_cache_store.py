@@ -36,8 +36,7 @@ from parameterized import parameterized
 
 import monai
 import monai.data.cache_store as cache_store
-from monai.data.cache_slots import MISS
-from monai.data.cache_store import SharedCacheStore
+from monai.data.cache_store import MISS, SharedCacheStore
 from monai.data.meta_tensor import MetaTensor
 
 
@@ -58,15 +57,29 @@ QUICKTEST = os.environ.get("QUICKTEST", "").strip().lower() in ("1", "true", "ye
 TIMEOUT = 60.0  # for every wait on another process
 FORK = multiprocessing.get_context("fork") if IS_LINUX else None
 skip_unless_linux = unittest.skipUnless(IS_LINUX, "needs Linux (fork, /proc)")
+# cache_store maps item files through libc, and so keeps a pool of mappings that their finalizers release into, only
+# where ``_map_private`` does: Python < 3.13 and ``_libc()`` available (POSIX). Elsewhere mmap.mmap maps them, unpooled.
+HAS_MAPPING_POOL = sys.version_info < (3, 13) and cache_store._libc() is not None
+skip_unless_mapping_pool = unittest.skipUnless(
+    HAS_MAPPING_POOL, "no mapping pool here: item files are mapped by mmap.mmap (Python >= 3.13 or no libc mmap)"
+)
+# leftover directories younger than this are kept (patched in for the checks of that rule, so that they cannot depend
+# on how fast a loaded machine runs the test); backdated ones are older than it
+LONG_MIN_AGE = 3600.0
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------------
 
 
 def _assert_same(tc: unittest.TestCase, a: Any, b: Any, where: str = "item") -> None:
-    """Recursive equality that also checks the types, dtypes, shapes and MetaTensor metadata."""
+    """
+    Recursive equality of ``a``, what was stored, and ``b``, what came back, that also checks the types, dtypes, shapes
+    and MetaTensor metadata, and that no tensor of ``b`` requires grad (the store keeps tensors detached).
+    """
     tc.assertIs(type(a), type(b), where)
     if isinstance(a, torch.Tensor):
+        tc.assertFalse(b.requires_grad, f"{where}: a tensor out of the store must be detached")
+        tc.assertIsNone(b.grad_fn, where)
         tc.assertEqual(a.dtype, b.dtype, where)
         tc.assertEqual(a.shape, b.shape, where)
         tc.assertEqual(a.device, b.device, where)
@@ -190,7 +203,15 @@ ROUND_TRIP_CASES = [
     ("tensor_offset_view", lambda: torch.arange(100.0)[37:41]),
     ("tensor_0d", lambda: torch.tensor(3.25)),
     ("tensor_empty", lambda: torch.zeros(0, 3, dtype=torch.float16)),
-    ("tensor_requires_grad", lambda: torch.ones(3, requires_grad=True).detach()),
+    # a leaf that requires grad, a non-leaf with a grad_fn, and a MetaTensor leaf: values kept, requires_grad not
+    (
+        "tensor_requires_grad",
+        lambda: {
+            "leaf": torch.linspace(-1, 1, 5, requires_grad=True),
+            "non_leaf": torch.arange(4.0, requires_grad=True) * 2,
+            "meta_leaf": _meta_tensor().requires_grad_(True),
+        },
+    ),
     ("tensor_conj", lambda: (torch.arange(4.0) * 1j).conj()),
     ("tensor_large", lambda: torch.arange(50_000, dtype=torch.float32).reshape(50, 1000)),
     ("ndarray_non_contiguous", lambda: np.arange(60.0).reshape(6, 10)[::2, 1::3]),
@@ -364,8 +385,11 @@ class TestRoundTrip(_TempRootMixin):
 
     def test_unpicklable_item_raises_and_leaves_nothing(self) -> None:
         store = self.new_store()
-        with self.assertRaises(Exception):
-            store.put(0, "k", {"f": lambda x: x})
+        item = {"f": lambda x: x}
+        with self.assertRaises(Exception) as pickling:
+            pickle.dumps(item, protocol=5)
+        with self.assertRaises(type(pickling.exception)):  # what pickling raises, not some other error
+            store.put(0, "k", item)
         self.assertEqual(os.listdir(os.path.join(store.path, ".tmp")), [])
         self.assertEqual(_item_files(store.path), [])
 
@@ -400,7 +424,7 @@ class TestZeroCopy(_TempRootMixin):
         return found
 
     @skip_unless_linux
-    @unittest.skipIf(sys.version_info >= (3, 13), "mappings are made by mmap.mmap, which is not pooled")
+    @skip_unless_mapping_pool
     def test_unwritten_mapping_is_reused_written_one_never(self) -> None:
         import monai.data.cache_store as cache_store
 
@@ -438,6 +462,7 @@ class TestZeroCopy(_TempRootMixin):
         self.assertEqual(int(store.get(0, "k")[3]), 6)
 
     @skip_unless_linux
+    @skip_unless_mapping_pool
     def test_release_from_garbage_collection_never_deadlocks(self) -> None:
         """A collection that frees a mapped item inside the pool's critical section must not wait for the pool."""
         code = textwrap.dedent(f"""
@@ -475,6 +500,7 @@ class TestZeroCopy(_TempRootMixin):
         self.assertEqual(proc.stdout.strip(), "ok")
 
     @skip_unless_linux
+    @skip_unless_mapping_pool
     def test_kept_mappings_do_not_pin_removed_items(self) -> None:
         def deleted_mappings(store_path: str) -> list[str]:
             with open("/proc/self/maps") as f:
@@ -833,8 +859,12 @@ class TestLifetime(_TempRootMixin):
     def test_store_without_participant_is_a_leftover(self) -> None:
         store = self.new_store(participate=False)
         store.put(0, "k", 1)
-        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])  # too recent
-        _backdate(store.path)
+        with mock.patch.object(cache_store, "_LEFTOVER_MIN_AGE", LONG_MIN_AGE):  # however slowly this test runs
+            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])  # too recent: may be being created
+            _backdate(store.path, 2 * LONG_MIN_AGE)
+            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [store.path])
+        store = self.new_store(participate=False)
+        _backdate(store.path)  # a minute is old enough with the real minimum age
         self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [store.path])
         self.assertFalse(os.path.exists(store.path))
 
@@ -871,21 +901,26 @@ class TestLifetime(_TempRootMixin):
 
     @skip_unless_linux
     def test_killed_creator_is_cleaned_up(self) -> None:
-        paths = []
-        for _ in range(2):
-            receiver, sender = FORK.Pipe(duplex=False)  # type: ignore[union-attr]
-            proc = FORK.Process(target=_child_create_and_wait, args=(self.root, sender))  # type: ignore[union-attr]
-            proc.start()
-            try:
-                paths.append(_recv(receiver))
-            finally:
-                os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
-                proc.join(TIMEOUT)
-            self.assertTrue(os.path.isdir(paths[-1]))  # nobody could remove it
-        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])  # too recent: may be being created
-        _backdate(paths[0])
-        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [paths[0]])
-        _backdate(paths[1])
+        paths: list[str] = []
+        # the forked creators inherit the patch: however slowly this test runs, the directories stay recent until
+        # backdated, so the second creator's cleanup of the root must leave the first one's directory alone
+        with mock.patch.object(cache_store, "_LEFTOVER_MIN_AGE", LONG_MIN_AGE):
+            for _ in range(2):
+                receiver, sender = FORK.Pipe(duplex=False)  # type: ignore[union-attr]
+                proc = FORK.Process(target=_child_create_and_wait, args=(self.root, sender))  # type: ignore[union-attr]
+                proc.start()
+                try:
+                    paths.append(_recv(receiver))
+                finally:
+                    os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                    proc.join(TIMEOUT)
+                # nobody could remove them: their creators were killed, and they are recent
+                self.assertEqual(sorted(os.listdir(self.root)), sorted(os.path.basename(p) for p in paths))
+            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])  # too recent: may be being created
+            _backdate(paths[0], 2 * LONG_MIN_AGE)
+            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [paths[0]])
+            self.assertTrue(os.path.isdir(paths[1]))
+        _backdate(paths[1])  # a minute is old enough with the real minimum age
         store = self.new_store()  # a new store cleans its root
         self.assertEqual(os.listdir(self.root), [os.path.basename(store.path)])
 
@@ -941,12 +976,16 @@ class TestLifetime(_TempRootMixin):
                 finally:
                     os._exit(code)
             deadline = time.monotonic() + TIMEOUT
-            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
                 if time.monotonic() > deadline:
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                     self.fail("forked child did not exit")
                 time.sleep(0.01)
+            self.assertEqual(os.waitstatus_to_exitcode(status), 0, f"{how}: the child failed")
             self.assertTrue(os.path.isdir(path), how)
             self.assertEqual(_markers(path), markers, how)
         self.assertEqual(store.get(0, "k"), 1)
