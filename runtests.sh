@@ -19,7 +19,8 @@ TREE=build/tree
 
 usage() {
     cat <<USAGE
-usage: ./runtests.sh [--unittests] [--quick] [--codeformat] [--docs] [--export-patch] [--build] [--clean] [-h]
+usage: ./runtests.sh [--unittests] [--quick] [--codeformat] [--docs] [--export-patch] [--upstream-tests DIR]
+                     [--build] [--clean] [-h]
 
   --unittests     lay out the patched tree if needed and run every test against it (multi-process ones included);
                   installs what requirements-dev.txt lists if it is missing (install torch for your machine first)
@@ -27,6 +28,10 @@ usage: ./runtests.sh [--unittests] [--quick] [--codeformat] [--docs] [--export-p
   --codeformat    black (120), isort, flake8 and mypy on the overlay, build backend, tests and patched files
   --docs          build the Sphinx docs with warnings as errors (docs/build/html) and run every recipe of the guide
   --export-patch  write the upstream PR series: dist/pr/NN-<slug>.patch and dist/pr/NN-<slug>.md (docs/pr/series.ini)
+  --upstream-tests DIR
+                  run MONAI's own dataset tests, from a checkout of MONAI's repository at DIR, unchanged against
+                  the laid-out tree in a scratch directory outside the repo (every tests/data/test_*dataset*.py,
+                  test_sampler_dist.py); prints each file's summary line
   --build         build the wheel and sdist into dist/
   --clean         remove build/, dist/ and caches
   -h, --help      this help
@@ -35,7 +40,7 @@ Extra arguments after -- go to pytest, e.g. ./runtests.sh --unittests -- -k hash
 USAGE
 }
 
-unittests=0 quick=0 codeformat=0 docs=0 export=0 build=0 clean=0
+unittests=0 quick=0 codeformat=0 docs=0 export=0 build=0 clean=0 upstream=""
 extra=()
 [ $# -eq 0 ] && { usage; exit 1; }
 while [ $# -gt 0 ]; do
@@ -45,6 +50,7 @@ while [ $# -gt 0 ]; do
         --codeformat) codeformat=1 ;;
         --docs) docs=1 ;;
         --export-patch) export=1 ;;
+        --upstream-tests) shift; upstream="${1:?--upstream-tests needs the path of a MONAI checkout}" ;;
         --build) build=1 ;;
         --clean) clean=1 ;;
         -h|--help) usage; exit 0 ;;
@@ -125,6 +131,22 @@ fi
 if [ $export -eq 1 ]; then
     layout
     $BUILD export-patch
+fi
+
+if [ -n "$upstream" ]; then
+    ensure_deps torch numpy pytest pytest_timeout parameterized nibabel
+    layout
+    [ -d "$upstream/tests/data" ] || { echo "no tests/data in $upstream: not a MONAI checkout" >&2; exit 2; }
+    scratch=$(mktemp -d) repo=$PWD
+    trap 'rm -rf "$scratch"' EXIT
+    cp -r "$upstream/tests" "$scratch/tests"  # a copy outside the repo: MONAI's tests are never committed here
+    status=0
+    for f in $(cd "$scratch" && ls tests/data/test_*dataset*.py tests/data/test_sampler_dist.py | sort -u); do
+        out=$(cd "$scratch" && PYTHONPATH="$repo/$TREE:$scratch" timeout 1800 $PY -m pytest -p no:cacheprovider -q \
+            --timeout=900 "$f" 2>&1) || status=1
+        echo "$f: $(echo "$out" | tail -n 1)"
+    done
+    exit $status
 fi
 
 if [ $unittests -eq 1 ]; then

@@ -195,16 +195,13 @@ def train_run(
         os.unlink(log)
     dist.barrier()
 
-    store: SharedCacheStore | None = None
     if name == "shared":
         store = create_shared_cache()  # COLLECTIVE: every rank calls it, once, here
-        runtime_cache: Any = store
     else:
-        runtime_cache = "process"  # a private store per rank, shared with the rank's own workers only
-    ds = CacheDataset(files, make_transform(log, args.crop), runtime_cache=runtime_cache, progress=False)
-    if store is None:  # the dataset's own store, to report its size (an attribute of CacheDataset's runtime cache)
-        own = getattr(ds, "_runtime", None)
-        store = own if isinstance(own, SharedCacheStore) else None
+        # a private store per rank, shared with the rank's own workers only: what runtime_cache="process" makes,
+        # created here so that its size can be reported
+        store = SharedCacheStore()
+    ds = CacheDataset(files, make_transform(log, args.crop), runtime_cache=store, progress=False)
 
     sampler: DistributedSampler[Any] = DistributedSampler(
         ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed
@@ -250,17 +247,15 @@ def train_run(
             nprocs = sum(m[1] for m in mems)
 
     # what the caches hold in shared memory: one store per rank, or one per node
-    stats = (store.path, store.stats()["nbytes"]) if store is not None else ("", 0)
+    stats = (store.path, store.stats()["nbytes"])
     all_stats: list[Any] = [None] * world
     dist.all_gather_object(all_stats, stats)
     sizes = {path: nbytes for path, nbytes in all_stats if path}  # the ranks of a node report the same store
     dist.barrier()
     executions = count_lines(log)
 
-    if store is not None:
-        # per-rank: the dataset's own store (also removed when the dataset is collected); shared: the node's store
-        # goes when its last rank closes it (or exits)
-        store.close()
+    # per-rank: this rank's own store; shared: the node's store goes when its last rank closes it (or exits)
+    store.close()
     del it, loader, sampler, ds
     gc.collect()
     dist.barrier()

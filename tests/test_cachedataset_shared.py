@@ -137,6 +137,10 @@ class ManagerTestCase(unittest.TestCase):
             return self.manager.list([None] * length)
         if kind == "list":
             return [None] * length
+        if kind == "store":
+            store = SharedCacheStore()
+            self.addCleanup(store.close)
+            return store
         return kind  # a mode string
 
 
@@ -276,14 +280,9 @@ class TestNeverWrongOrStale(ManagerTestCase):
             self.assertEqual(len(cache), len(data))
             self.assertEqual([e[1]["src"] for e in cache], list(data))
 
-    @parameterized.expand([("list",), ("listproxy",), ("process",)])
+    @parameterized.expand([("list",), ("listproxy",), ("store",)])
     def test_two_datasets_share_a_container(self, kind):
         cache = self.container(kind)
-        if kind == "process":
-            from monai.data.cache_store import SharedCacheStore
-
-            cache = SharedCacheStore()
-            self.addCleanup(cache.close)
         a = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
         b = CacheDataset([20 + i for i in range(10)], make_transform(), runtime_cache=cache, progress=False)
         for _ in range(3):
@@ -291,15 +290,10 @@ class TestNeverWrongOrStale(ManagerTestCase):
                 check_item(self, a[i], DATA[i])
                 check_item(self, b[i], 20 + i)
 
-    @parameterized.expand([("list",), ("listproxy",), ("process",)])
+    @parameterized.expand([("list",), ("listproxy",), ("store",)])
     def test_same_data_other_transforms_share_a_container(self, kind):
         """A training and a validation dataset over the same inputs, one cache: each gets its own transforms' items."""
         cache = self.container(kind)
-        if kind == "process":
-            from monai.data.cache_store import SharedCacheStore
-
-            cache = SharedCacheStore()
-            self.addCleanup(cache.close)
         train = CacheDataset(DATA, make_transform(), runtime_cache=cache, progress=False)
         val = CacheDataset(DATA, Compose([Load(), Scale(10.0), RandAdd()]), runtime_cache=cache, progress=False)
         for _ in range(2):
