@@ -31,7 +31,7 @@ usage: ./runtests.sh [--unittests] [--quick] [--codeformat] [--docs] [--export-p
   --upstream-tests DIR
                   run MONAI's own dataset tests, from a checkout of MONAI's repository at DIR, unchanged against
                   the laid-out tree in a scratch directory outside the repo (every tests/data/test_*dataset*.py,
-                  test_sampler_dist.py); prints each file's summary line
+                  test_sampler_dist.py) with unittest, as MONAI runs them; prints each file's summary
   --build         build the wheel and sdist into dist/
   --clean         remove build/, dist/ and caches
   -h, --help      this help
@@ -141,10 +141,12 @@ if [ -n "$upstream" ]; then
     trap 'rm -rf "$scratch"' EXIT
     cp -r "$upstream/tests" "$scratch/tests"  # a copy outside the repo: MONAI's tests are never committed here
     status=0
+    # with unittest, as MONAI's own runner does (pytest would also collect helpers named test_*)
     for f in $(cd "$scratch" && ls tests/data/test_*dataset*.py tests/data/test_sampler_dist.py | sort -u); do
-        out=$(cd "$scratch" && PYTHONPATH="$repo/$TREE:$scratch" timeout 1800 $PY -m pytest -p no:cacheprovider -q \
-            --timeout=900 "$f" 2>&1) || status=1
-        echo "$f: $(echo "$out" | tail -n 1)"
+        module=${f%.py}
+        out=$(cd "$scratch" && PYTHONPATH="$repo/$TREE:$scratch" timeout 1800 $PY -m unittest "${module//\//.}" 2>&1) ||
+            status=1
+        echo "$f: $(echo "$out" | grep -E '^Ran [0-9]+ test' | tail -n 1); $(echo "$out" | tail -n 1)"
     done
     exit $status
 fi

@@ -224,7 +224,7 @@ class TestPRSeries(unittest.TestCase):
                 self.assertNotIn(f"--- /dev/null\n+++ b/docs/source/{name}", text)
             md = (Path(self.tmp) / "pr" / f"{st.name}.md").read_text()
             self.assertIn("changed lines", md)
-            for section in ("## What changes for users", "## Tests", "## Benchmark", "## Files"):
+            for section in ("## Issues", "## What changes for users", "## Tests", "## Benchmark", "## Files"):
                 self.assertIn(section, md)
 
     @unittest.skipIf(QUICK, "slow: runs every stage's tests against its own tree")
