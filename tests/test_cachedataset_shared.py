@@ -226,7 +226,11 @@ class TestSizing(ManagerTestCase):
                 p.start()
             for p in procs:
                 p.join(TIMEOUT)
-                self.assertEqual(p.exitcode, 0)
+            for p in procs:
+                if p.is_alive():  # never leave a process behind, even when the test fails
+                    p.kill()
+                    p.join(TIMEOUT)
+            self.assertEqual([p.exitcode for p in procs], [0] * len(procs))
             self.assertIn(len(cache), {int(len(DATA) * r) for r in rates})
             entries = list(cache)
             self.assertTrue(any(e is not None for e in entries))
@@ -347,6 +351,9 @@ class TestNeverWrongOrStale(ManagerTestCase):
         p = get_context("spawn").Process(target=_set_data_child, args=(cache,))
         p.start()
         p.join(TIMEOUT)
+        if p.is_alive():
+            p.kill()
+            p.join(TIMEOUT)
         self.assertEqual(p.exitcode, 0)
         self.assertEqual([e[1]["src"] for e in cache if e is not None][:4], [200, 201, 202, 203])
         for i in range(10):
