@@ -752,7 +752,7 @@ class TestFaults(_TempRootMixin):
             store.resize(4)
             store.invalidate(["k"], [])
             self.assertEqual(len(store), 0)
-            self.assertEqual(store.stats(), {"filled": 0, "capacity": 0, "nbytes": 0})
+            self.assertEqual(store.stats(), {"filled": 0, "capacity": 0, "nbytes": 0, "refused": 0})
             store.close()
         self.assertEqual(len(_runtime_warnings(caught)), 1)
         self.assertFalse(os.path.exists(store.path))  # never re-created
@@ -1059,12 +1059,12 @@ class TestPickleAndStats(_TempRootMixin):
     def test_stats_len_and_invalidate(self) -> None:
         store = self.new_store()
         self.assertEqual(len(store), 0)
-        self.assertEqual(store.stats(), {"filled": 0, "capacity": 0, "nbytes": 0})
+        self.assertEqual(store.stats(), {"filled": 0, "capacity": 0, "nbytes": 0, "refused": 0})
         store.resize(10)
         for i in range(3):
             store.put(i, f"k{i}", torch.zeros(100))
         expected_bytes = sum(os.path.getsize(os.path.join(store.path, n)) for n in _item_files(store.path))
-        expected = {"filled": 3, "capacity": 10, "nbytes": expected_bytes}
+        expected = {"filled": 3, "capacity": 10, "nbytes": expected_bytes, "refused": 0}
         self.assertEqual(store.stats(), expected)
         self.assertGreater(expected_bytes, 3 * 400)
         receiver, sender = FORK.Pipe(duplex=False)  # type: ignore[union-attr]
@@ -1089,6 +1089,90 @@ class TestManyItems(_TempRootMixin):
         store = self.new_store()
         self.assertEqual(_run(_child_many_items, store.path, 20_000, 2_000, timeout=300), 0)
         self.assertEqual(store.stats()["filled"], 20_000)
+
+
+def _child_refuse(path: str) -> None:
+    store = SharedCacheStore(path, participate=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert store.get_or_compute(9, "child", lambda: np.ones(40_000)).sum() == 40_000  # refused, still returned
+
+
+class TestBudget(_TempRootMixin):
+    """The store leaves room for the DataLoader: a reserve of free space and an optional cap, shared by its users."""
+
+    ITEM = 8 * 40_000  # bytes of the float64 arrays below, without the file's header
+
+    def test_cap_refuses_past_max_bytes(self) -> None:
+        store = self.new_store(max_bytes=3 * self.ITEM + 3 * 4096, reserve=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(6):
+                item = store.get_or_compute(i, f"k{i}", lambda i=i: np.full(40_000, float(i)))
+                np.testing.assert_array_equal(item, np.full(40_000, float(i)))  # stored or not, the right item
+        self.assertEqual(len(_item_files(store.path)), 3)
+        self.assertEqual(store.stats()["refused"], 3)
+        budget = [w for w in _runtime_warnings(caught) if "not storing" in str(w.message)]
+        self.assertEqual(len(budget), 1, [str(w.message) for w in caught])  # once per process
+        self.assertIn("max_bytes", str(budget[0].message))
+        for option in ("--shm-size", "--ipc=host", "MONAI_CACHE_ROOT"):
+            self.assertIn(option, str(budget[0].message))
+        # another process attached to the store keeps to the same budget, and its refusals count for all
+        self.assertEqual(_run(_child_refuse, store.path), 0)
+        self.assertEqual(store.stats()["refused"], 4)
+        self.assertEqual(len(_item_files(store.path)), 3)
+
+    def test_reserve(self) -> None:
+        full = self.new_store(reserve=2**62)  # more than any file system has free: nothing is stored
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertFalse(full.put(0, "k", np.ones(10)))
+        self.assertIn("reserve", str(_runtime_warnings(caught)[0].message))
+        self.assertEqual((full.stats()["filled"], full.stats()["refused"]), (0, 1))
+        empty = self.new_store(reserve=0)
+        self.assertTrue(empty.put(0, "k", np.ones(10)))
+
+    def test_default_reserve(self) -> None:
+        from monai.data.cache_budget import default_reserve
+
+        self.assertEqual(default_reserve(64 * 2**20), 32 * 2**20)  # half of Docker's default /dev/shm
+        self.assertEqual(default_reserve(256 * 2**30), 4 * 2**30)  # at most 4 GiB of a large one
+        store = self.new_store()
+        with mock.patch("os.statvfs") as statvfs:  # a 64 MiB file system with 40 MiB free
+            statvfs.return_value = mock.Mock(f_bavail=40 * 256, f_blocks=64 * 256, f_frsize=4096)
+            self.assertTrue(store.put(0, "fits", np.ones(2**20 // 8)))  # 40 - 1 MiB >= 32 MiB
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.assertFalse(store.put(1, "too-big", np.ones(9 * 2**20 // 8)))  # 40 - 9 MiB < 32 MiB
+
+    def test_environment(self) -> None:
+        sub = os.path.join(self.root, "elsewhere")
+        os.mkdir(sub, 0o700)
+        env = {"MONAI_CACHE_ROOT": sub, "MONAI_CACHE_MAX_BYTES": "0", "MONAI_CACHE_RESERVE_BYTES": "0"}
+        with mock.patch.dict(os.environ, env):
+            store = SharedCacheStore()
+            self.stores.append(store)
+        self.assertEqual(os.path.dirname(store.path), sub)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.assertFalse(store.put(0, "k", 1))  # the cap of 0 bytes from the environment
+        with mock.patch.dict(os.environ, {"MONAI_CACHE_ROOT": os.path.join(self.root, "missing")}):
+            with self.assertRaisesRegex(FileNotFoundError, "MONAI_CACHE_ROOT"):
+                SharedCacheStore()
+        with mock.patch.dict(os.environ, {"MONAI_CACHE_MAX_BYTES": "lots"}):
+            with self.assertRaisesRegex(ValueError, "MONAI_CACHE_MAX_BYTES='lots'"):
+                SharedCacheStore(root=self.root)
+
+    @parameterized.expand([("negative", {"reserve": -1}), ("float", {"max_bytes": 1.5}), ("bool", {"max_bytes": True})])
+    def test_bad_values(self, _: str, kwargs: dict) -> None:
+        with self.assertRaisesRegex(ValueError, "non-negative number of bytes"):
+            SharedCacheStore(root=self.root, **kwargs)
+        self.assertEqual(os.listdir(self.root), [])  # nothing was created
+
+    def test_budget_only_at_creation(self) -> None:
+        store = self.new_store()
+        with self.assertRaisesRegex(ValueError, "only used to create a new store"):
+            SharedCacheStore(store.path, max_bytes=10)
 
 
 if __name__ == "__main__":

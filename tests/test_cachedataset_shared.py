@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -444,6 +445,79 @@ class TestStoreModes(unittest.TestCase):
         self.assertEqual([d["src"] for d in ds[[9, -10]]], [9, 0])
         self.assertEqual(len(ds), len(DATA))
         self.assertEqual([d["src"] for d in ds._cache], DATA[: ds.cache_num])
+
+
+SMALL_SHM_SCRIPT = textwrap.dedent("""
+    import json
+    import torch
+    from monai.data import CacheDataset, DataLoader
+    from monai.transforms import Compose, RandomizableTransform, Transform
+
+    class Load(Transform):
+        def __call__(self, i):
+            return {"src": i, "img": torch.full((512 * 1024,), float(i))}  # 2 MiB
+
+    class AddOne(RandomizableTransform):
+        def __call__(self, d):
+            d["img"] += 1
+            return d
+
+    if __name__ == "__main__":
+        # 48 items of 2 MiB: 1.5 times the 64 MB /dev/shm, which the DataLoader's batches also go through
+        ds = CacheDataset(list(range(48)), Compose([Load(), AddOne()]), runtime_cache="process", progress=False)
+        loader = DataLoader(ds, batch_size=2, num_workers=2, timeout=120)
+        for epoch in range(3):
+            seen = []
+            for batch in loader:
+                for s, img in zip(batch["src"], batch["img"]):
+                    assert torch.equal(img, torch.full((512 * 1024,), float(s) + 1)), int(s)
+                    seen.append(int(s))
+            assert sorted(seen) == list(range(48)), seen
+            print("epoch", epoch, "ok", flush=True)
+        print(json.dumps(ds._cache.cache.stats()))
+    """)
+
+
+def _private_mount_namespace() -> str | None:
+    """Why a private mount namespace with its own /dev/shm cannot be made here, or None if it can."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare(1) to mount a 64 MB tmpfs on /dev/shm in a private mount namespace"
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"]
+    probe = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return None if probe.returncode == 0 else f"cannot mount a tmpfs in a private namespace: {probe.stderr.strip()}"
+
+
+class TestSmallDevShm(unittest.TestCase):
+    """Docker's default 64 MB /dev/shm: the store leaves room for the DataLoader's own shared memory."""
+
+    def run_in_64mb_shm(self, **env: str) -> subprocess.CompletedProcess:
+        reason = _private_mount_namespace()
+        if reason:
+            self.skipTest(reason)
+        with tempfile.TemporaryDirectory() as tmp:
+            script = os.path.join(tmp, "small_shm.py")
+            with open(script, "w") as f:
+                f.write(SMALL_SHM_SCRIPT)
+            shell = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {script}"
+            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell]
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **env})
+
+    def test_every_epoch_completes_with_correct_items(self):
+        proc = self.run_in_64mb_shm()
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        self.assertEqual(
+            [ln for ln in proc.stdout.splitlines() if ln.startswith("epoch")], [f"epoch {e} ok" for e in range(3)]
+        )
+        stats = json.loads(proc.stdout.splitlines()[-1])
+        self.assertGreater(stats["filled"], 0)  # it still caches what fits
+        self.assertGreater(stats["refused"], 0)
+        self.assertIn("--shm-size", proc.stderr)  # the warning names the options
+
+    def test_without_reserve_the_dataloader_fails(self):
+        """The scenario is real: a store that may fill /dev/shm makes the DataLoader's batch transfer fail."""
+        proc = self.run_in_64mb_shm(MONAI_CACHE_RESERVE_BYTES="0")
+        self.assertNotEqual(proc.returncode, 0, proc.stdout)
+        self.assertIn("unable to allocate shared memory", proc.stderr)
 
 
 class TestFaults(ManagerTestCase):

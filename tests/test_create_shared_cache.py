@@ -383,6 +383,20 @@ class TestLocal(SharedCacheTestCase):
         with self.assertRaises(ValueError):
             create_shared_cache(path=self.root, timeout=timeout)
 
+    def test_root_and_budget(self) -> None:
+        """`root` names the directory of the stores (as `path` does); the budget goes to the store."""
+        with self.assertRaisesRegex(ValueError, "not both"):
+            create_shared_cache(path=self.root, root=self.root)
+        with self.assertRaisesRegex(ValueError, "non-negative number of bytes"):
+            create_shared_cache(root=self.root, max_bytes=-1)
+        store = create_shared_cache(root=self.root, max_bytes=0)
+        self.addCleanup(store.close)
+        self.assertEqual(os.path.dirname(store.path), self.root)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.assertEqual(store.get_or_compute(0, "k", lambda: 5), 5)
+        self.assertEqual((store.stats()["filled"], store.stats()["refused"]), (0, 1))
+
     def test_not_initialized_is_a_local_store(self) -> None:
         """Without a process group: a private store that the DataLoader workers of this process share."""
         self.assertFalse(dist.is_initialized())

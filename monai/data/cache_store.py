@@ -43,6 +43,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from monai.data.cache_budget import ENV_ROOT, Budget
+
 __all__ = ["MISS", "SharedCacheStore"]
 
 
@@ -224,6 +226,13 @@ def _unlink_quiet(path: str) -> None:
 
 
 def _default_root() -> str:
+    configured = os.environ.get(ENV_ROOT)
+    if configured:
+        if not os.path.isdir(configured):
+            raise FileNotFoundError(
+                errno.ENOENT, f"{ENV_ROOT}={configured!r} must name an existing directory for new cache stores"
+            )
+        return configured
     shm = "/dev/shm"
     if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
         return shm
@@ -743,22 +752,37 @@ class SharedCacheStore:
         ``/dev/shm``) cannot be checked and counts as alive. A process that attaches with ``participate=True`` at
         the very moment the last participant closes may find the directory gone, and then works without cache.
 
+    Budget:
+        The DataLoader moves batches from its workers through shared memory, on the same ``/dev/shm`` by default,
+        so a store that filled it would make the DataLoader fail (Docker's default ``/dev/shm`` is 64 MB). An item
+        that would leave less than ``reserve`` bytes free, or take the store past ``max_bytes``, is computed and
+        returned without being stored; each process warns once, and ``stats()["refused"]`` counts such items.
+        See :py:mod:`monai.data.cache_budget` for the default.
+
     Security:
         Items are unpickled when read, which can run arbitrary code, so a store attaches only to a real directory
         (not a symbolic link) owned by the current user and inaccessible to others (mode ``0o700``, as created).
 
     Args:
         path: the directory of an existing store to attach to; ``None`` creates a new store.
-        root: where to create a new store: ``/dev/shm`` if it is a writable directory, else the system's temporary
-            directory (macOS, Windows). Only used when ``path`` is ``None``.
+        root: where to create a new store: the directory named by the environment variable ``MONAI_CACHE_ROOT``
+            if set, else ``/dev/shm`` if it is a writable directory, else the system's temporary directory (macOS,
+            Windows). Only used when ``path`` is ``None``.
         participate: whether this process keeps the store alive until it closes it (see Lifetime).
         claim_timeout: how long, in seconds, :py:meth:`get_or_compute` waits for an item another process or thread
             is computing before it computes the item itself without storing it.
+        reserve: bytes that the store keeps free on its file system, for the DataLoader's own shared memory (see
+            Budget); ``None`` for ``MONAI_CACHE_RESERVE_BYTES`` if set, else half the file system, at most 4 GiB.
+            Only used when ``path`` is ``None``: the store's creator sets the budget for all its users.
+        max_bytes: a cap on the total size of the store's items; ``None`` for ``MONAI_CACHE_MAX_BYTES`` if set,
+            else no cap. Only used when ``path`` is ``None``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         PermissionError: ``path`` is not a private directory of the current user (see Security).
-        ValueError: ``claim_timeout`` is negative, or ``root`` is given with ``path``.
+        ValueError: ``claim_timeout``, ``reserve`` or ``max_bytes`` is negative, or ``root``, ``reserve`` or
+            ``max_bytes`` is given with ``path``.
+        FileNotFoundError: ``MONAI_CACHE_ROOT`` names no directory.
 
     Example:
         .. code-block:: python
@@ -791,15 +815,19 @@ class SharedCacheStore:
         root: str | os.PathLike | None = None,
         participate: bool = True,
         claim_timeout: float = 600.0,
+        reserve: int | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         if claim_timeout < 0:
             raise ValueError(f"claim_timeout must be non-negative, got {claim_timeout}.")
+        Budget("", reserve, max_bytes)  # checks the values before anything is created
         if path is None:
             root_dir = _default_root() if root is None else os.fspath(root)
             SharedCacheStore.cleanup_leftovers(root_dir)
             new_path = os.path.abspath(tempfile.mkdtemp(prefix=_PREFIX_DIR, dir=root_dir))
             try:
                 os.mkdir(os.path.join(new_path, _TMP_DIR), 0o700)
+                Budget.create(new_path, reserve, max_bytes)
                 self._setup(new_path, claim_timeout)
                 if participate:
                     self._register()
@@ -807,8 +835,8 @@ class SharedCacheStore:
                 shutil.rmtree(new_path, ignore_errors=True)
                 raise
             return
-        if root is not None:
-            raise ValueError("root is only used to create a new store (path=None).")
+        if root is not None or reserve is not None or max_bytes is not None:
+            raise ValueError("root, reserve and max_bytes are only used to create a new store (path=None).")
         dir_path = os.path.abspath(os.fspath(path))
         _check_private_dir(dir_path)
         try:  # never os.makedirs: a store that has just been removed must not be created again
@@ -827,6 +855,7 @@ class SharedCacheStore:
         self._writable = True  # False after a persistent write error
         self._local = threading.local()  # per thread: the claims it holds
         self._finalizer: weakref.finalize | None = None
+        self._budget = Budget.load(path)  # as recorded by the process that created the store
 
     def _register(self) -> None:
         pid, start, namespace = _self_id()
@@ -940,6 +969,11 @@ class SharedCacheStore:
         if self._gone or not self._writable:
             return False
         chunks, total = _encode(key, item)  # raises before any file is created
+        why = self._budget.room_for(total)
+        if why is not None:
+            self._budget.refuse()
+            self._warn_budget(total, why)
+            return False
         tmp = self._tmp_name(self._stem(key))
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o600)
@@ -959,6 +993,7 @@ class SharedCacheStore:
         except BaseException:
             _unlink_quiet(tmp)
             raise
+        self._budget.written(total)
         self._clean_dead_temps()
         return True
 
@@ -1099,7 +1134,9 @@ class SharedCacheStore:
         Count the items of the store (one directory scan; any process can call it).
 
         Returns:
-            ``{"filled": number of items, "capacity": len(self), "nbytes": total size of the item files}``.
+            ``{"filled": number of items, "capacity": len(self), "nbytes": total size of the item files,
+            "refused": number of items that were computed but not stored because of the budget (reserve or
+            max_bytes), by all processes}``.
         """
         filled = nbytes = 0
         try:
@@ -1113,7 +1150,7 @@ class SharedCacheStore:
                         filled += 1
         except OSError:
             pass
-        return {"filled": filled, "capacity": len(self), "nbytes": nbytes}
+        return {"filled": filled, "capacity": len(self), "nbytes": nbytes, "refused": self._budget.refused()}
 
     # -- lifetime -------------------------------------------------------------------------------------------------
 
@@ -1219,6 +1256,23 @@ class SharedCacheStore:
         warnings.warn(
             f"CacheDataset runtime cache ({type(self).__name__}): {what} ({type(err).__name__}: {err}). "
             "Items are computed without the cache from now on in this process.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _warn_budget(self, nbytes: int, why: str) -> None:
+        """Warn once per process and store that items past the budget are not stored, why, and what to do."""
+        token = (os.getpid(), id(self), "budget")
+        with _WARN_LOCK:
+            if token in SharedCacheStore._warned:
+                return
+            SharedCacheStore._warned.add(token)
+        warnings.warn(
+            f"SharedCacheStore {self._path}: not storing an item of {nbytes / 2**20:.1f} MiB because {why}. Items "
+            "past the budget are computed without being stored (stats()['refused'] counts them). To cache more: "
+            "give the container more shared memory (docker run --shm-size=..., or --ipc=host), put the cache on a "
+            f"local disk or another tmpfs ({ENV_ROOT}=/path, or create_shared_cache(root=...)), or set the "
+            "store's reserve / max_bytes.",
             RuntimeWarning,
             stacklevel=3,
         )

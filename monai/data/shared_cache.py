@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from monai.data.cache_budget import Budget
 from monai.data.cache_store import SharedCacheStore
 
 if TYPE_CHECKING:
@@ -109,6 +110,9 @@ def create_shared_cache(
     path: str | os.PathLike | None = None,
     node_id: str | None = None,
     timeout: float | None = None,
+    root: str | os.PathLike | None = None,
+    reserve: int | None = None,
+    max_bytes: int | None = None,
 ) -> SharedCacheStore:
     """
     Create one :py:class:`~monai.data.cache_store.SharedCacheStore` per node for the ranks of ``group``: the ranks
@@ -147,8 +151,10 @@ def create_shared_cache(
         group: the process group whose ranks share caches by node; ``None`` for the world. The caller must be a
             member of it.
         path: the directory in which each node's store directory is created (only the value given on the lowest
-            rank of each node is used); ``None`` for ``/dev/shm``, or the system's temporary directory where there
-            is no ``/dev/shm``. Every rank of a node must see the same file system there.
+            rank of each node is used); ``None`` for the directory named by ``MONAI_CACHE_ROOT`` if set, else
+            ``/dev/shm``, or the system's temporary directory where there is no ``/dev/shm``. Every rank of a node
+            must see the same file system there. A local disk, or a tmpfs mounted with ``huge=within_size``, leaves
+            ``/dev/shm`` to the DataLoader.
         node_id: the identity of this process's node; ranks with the same identity share one store, so they must
             run on one machine (and see the same ``path``). Defaults to the environment variable
             ``MONAI_CACHE_NODE_ID`` if set, else ``socket.gethostname()``.
@@ -157,14 +163,21 @@ def create_shared_cache(
             gloo group with this timeout. With a subgroup, which must then be a gloo group, a
             ``monitored_barrier`` with this timeout waits for the ranks to arrive, and the rest of the exchange (which
             then only waits for ranks that are already inside this function) is bounded by the group's own timeout.
+        root: another name of ``path`` (as in ``SharedCacheStore(root=...)``); give one of them at most.
+        reserve: bytes each node's store keeps free on its file system for the DataLoader's shared memory; ``None``
+            for ``MONAI_CACHE_RESERVE_BYTES`` if set, else half the file system, at most 4 GiB. See
+            :py:class:`monai.data.SharedCacheStore` (Budget). Only the lowest rank's value counts on each node.
+        max_bytes: a cap on the total size of each node's store; ``None`` for ``MONAI_CACHE_MAX_BYTES`` if set,
+            else no cap. Only the lowest rank's value counts on each node.
 
     Returns:
         this rank's handle of its node's store, registered as a participant. Pass it as ``runtime_cache``, and
         optionally call ``close()`` on it when the rank no longer needs the cache.
 
     Raises:
-        ValueError: ``timeout`` is not positive, this process is not a member of ``group``, or ``timeout`` is given
-            with a subgroup that is not a gloo group.
+        ValueError: ``timeout`` is not positive, ``reserve`` or ``max_bytes`` is negative, both ``path`` and
+            ``root`` are given, this process is not a member of ``group``, or ``timeout`` is given with a subgroup
+            that is not a gloo group.
         RuntimeError: on every rank, if the store of any node could not be created or any rank could not attach to
             its node's store (for example because ranks on different machines report the same node identity); the
             message names the ranks and errors. Errors of the collectives themselves (such as a timeout) are raised
@@ -190,8 +203,12 @@ def create_shared_cache(
     """
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
+    if root is not None and path is not None:
+        raise ValueError("create_shared_cache: give `root` or `path` (two names of one argument), not both.")
+    path = root if root is not None else path
+    Budget("", reserve, max_bytes)  # checks the values on every rank before any collective
     if not (dist.is_available() and dist.is_initialized()):
-        return SharedCacheStore(root=path)
+        return SharedCacheStore(root=path, reserve=reserve, max_bytes=max_bytes)
     if dist.get_rank(group) < 0:
         raise ValueError("create_shared_cache: this process is not a member of `group`.")
     node = _node_identity(node_id)
@@ -205,7 +222,7 @@ def create_shared_cache(
         created: tuple[str, str] | None = None
         if me == creator:
             try:
-                store = SharedCacheStore(root=path)
+                store = SharedCacheStore(root=path, reserve=reserve, max_bytes=max_bytes)
                 created = (_OK, store.path)
             except Exception as err:  # every rank must learn of it, and none may hang waiting for a path
                 created = (
