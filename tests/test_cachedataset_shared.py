@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import unittest
 import warnings
@@ -193,6 +194,28 @@ class TestSizing(ManagerTestCase):
         self.assertEqual({k: counts[k] for k in DATA[:5]}, dict.fromkeys(DATA[:5], 1))
         self.assertEqual({k: counts[k] for k in DATA[5:]}, dict.fromkeys(DATA[5:], 2))
 
+    @parameterized.expand([("grow", 2), ("trim", 9)])
+    def test_resize_interleaved_at_the_worst_point(self, _, initial):
+        """Two resizers to one cache_num, both reading the length before either writes: still exactly cache_num."""
+        cache = self.manager.list([None] * initial)
+        gate = threading.Barrier(2, timeout=TIMEOUT)
+        errors: list[BaseException] = []
+
+        def resize() -> None:
+            try:
+                _ListCache(_PausedContainer(cache, gate)).resize(5)
+            except BaseException as e:  # noqa: B902  (reported by the test below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=resize) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        self.assertFalse(any(t.is_alive() for t in threads))
+        self.assertEqual(errors, [])
+        self.assertEqual(len(cache), 5)
+
     def test_not_resizable(self):
         class Fixed:  # item assignment but no slice assignment
             def __init__(self):
@@ -215,9 +238,15 @@ class TestSizing(ManagerTestCase):
         with self.assertRaisesRegex(ValueError, r"length 3.*cache_num=10"):
             CacheDataset(DATA, make_transform(), runtime_cache=Fixed(), progress=False)
 
-    def test_concurrent_resize(self):
-        """Processes resize one ListProxy to different lengths at once and read: every item right, whoever wins."""
-        rates = (0.3, 0.5, 1.0, 0.5, 0.3, 1.0)
+    @parameterized.expand([("same_length", (0.5,) * 6), ("different_lengths", (0.3, 0.5, 1.0, 0.5, 0.3, 1.0))])
+    def test_concurrent_resize(self, _, rates):
+        """
+        Processes build datasets on one ListProxy at once (a barrier lines them up) and read every item.
+
+        With one cache_num (DDP ranks over the same data) the container ends exactly that long, however the resizes
+        interleave. With different ones (datasets over other data sharing a container) its length may end anywhere:
+        then every item read is still right, and the next dataset built on it resizes it exactly.
+        """
         for trial in range(3):
             cache = self.manager.list([None] * (trial * 7))
             ctx = get_context("fork")
@@ -231,13 +260,34 @@ class TestSizing(ManagerTestCase):
                 if p.is_alive():  # never leave a process behind, even when the test fails
                     p.kill()
                     p.join(TIMEOUT)
-            self.assertEqual([p.exitcode for p in procs], [0] * len(procs))
-            self.assertIn(len(cache), {int(len(DATA) * r) for r in rates})
+            self.assertEqual([p.exitcode for p in procs], [0] * len(procs))  # every child read right items
             entries = list(cache)
             self.assertTrue(any(e is not None for e in entries))
             for i, entry in enumerate(entries):
                 if entry is not None:  # slot i caches DATA[i] in every dataset
                     check_item(self, entry[1], DATA[i], added=0.0)
+            if len(set(rates)) == 1:
+                self.assertEqual(len(cache), int(len(DATA) * rates[0]))
+            CacheDataset(DATA, make_transform(), cache_rate=0.3, runtime_cache=cache, progress=False)
+            self.assertEqual(len(cache), 3)
+
+
+class _PausedContainer:
+    """A ListProxy whose every ``len`` waits for the other resizer's: both read the length before either writes."""
+
+    def __init__(self, container, gate: threading.Barrier) -> None:
+        self.container, self.gate = container, gate
+
+    def __len__(self) -> int:
+        n = len(self.container)
+        self.gate.wait()
+        return n
+
+    def __setitem__(self, k, v) -> None:
+        self.container[k] = v
+
+    def __delitem__(self, k) -> None:
+        del self.container[k]
 
 
 def _build_and_read(cache, rate, start):
