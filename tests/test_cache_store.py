@@ -35,7 +35,8 @@ import torch
 from parameterized import parameterized
 
 import monai
-import monai.data.cache_store as cache_store
+import monai.data.cache_coord as cache_coord
+import monai.data.cache_mapping as cache_mapping
 from monai.data.cache_store import MISS, SharedCacheStore
 from monai.data.meta_tensor import MetaTensor
 
@@ -56,10 +57,10 @@ IS_LINUX = sys.platform.startswith("linux")
 QUICKTEST = os.environ.get("QUICKTEST", "").strip().lower() in ("1", "true", "yes", "on")
 TIMEOUT = 60.0  # for every wait on another process
 FORK = multiprocessing.get_context("fork") if IS_LINUX else None
-skip_unless_linux = unittest.skipUnless(IS_LINUX, "needs Linux (fork, /proc)")
+skip_unless_linux = unittest.skipUnless(IS_LINUX, "needs Linux (fork, /proc, flock)")
 # cache_store maps item files through libc, and so keeps a pool of mappings that their finalizers release into, only
 # where ``_map_private`` does: Python < 3.13 and ``_libc()`` available (POSIX). Elsewhere mmap.mmap maps them, unpooled.
-HAS_MAPPING_POOL = sys.version_info < (3, 13) and cache_store._libc() is not None
+HAS_MAPPING_POOL = sys.version_info < (3, 13) and cache_mapping._libc() is not None
 skip_unless_mapping_pool = unittest.skipUnless(
     HAS_MAPPING_POOL, "no mapping pool here: item files are mapped by mmap.mmap (Python >= 3.13 or no libc mmap)"
 )
@@ -118,8 +119,92 @@ def _claims(path: str) -> list[str]:
     return sorted(n for n in os.listdir(path) if n.endswith(".claim"))
 
 
-def _markers(path: str) -> list[str]:
-    return sorted(n for n in os.listdir(path) if n.startswith(".live-"))
+def _participated(path: str) -> bool:
+    """Whether some store object, in any process, participates in the store ``path`` (holds its lock file)."""
+    import fcntl
+
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the lock if taken
+    return False
+
+
+def _unshare_works() -> bool:
+    """Whether this process may start a process in a new PID namespace (root, or user namespaces allowed)."""
+    if not IS_LINUX or shutil.which("unshare") is None:
+        return False
+    try:
+        done = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+# a participant in another PID namespace: attaches, says so, and stays until its stdin closes (or it is killed)
+_NAMESPACE_PARTICIPANT = textwrap.dedent("""
+    import os, sys
+    from monai.data.cache_store import SharedCacheStore
+
+    store = SharedCacheStore(sys.argv[1])
+    print("attached", os.getpid(), flush=True)
+    sys.stdin.read()
+    store.close()
+    """)
+
+
+def _start_in_pid_namespace(path: str) -> subprocess.Popen:
+    """Start :py:data:`_NAMESPACE_PARTICIPANT` for the store ``path`` in a new PID namespace; wait until attached."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(monai.__file__)), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", _NAMESPACE_PARTICIPANT, path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    lines: list[bytes] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)  # type: ignore
+    reader.start()
+    reader.join(TIMEOUT)
+    if not lines or lines[0].split()[:2] != [b"attached", b"1"]:  # pid 1: the first process of its own namespace
+        proc.kill()
+        proc.wait(TIMEOUT)
+        raise AssertionError(f"the participant in a new PID namespace did not attach: {lines}")
+    return proc
+
+
+def _stop(proc: subprocess.Popen, kill: bool = False) -> int:
+    """End a participant started by :py:func:`_start_in_pid_namespace`: close its stdin, or SIGKILL it."""
+    if kill:  # SIGKILL the participant itself (unshare's child); unshare reaps it, then exits
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children = [int(pid) for pid in f.read().split()]
+        except OSError:
+            children = []
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        if not children:
+            proc.kill()
+    else:
+        proc.stdin.close()  # type: ignore[union-attr]
+    try:
+        return proc.wait(TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        proc.stdout.close()  # type: ignore[union-attr]
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.close()
+
+
+skip_unless_unshare = unittest.skipUnless(
+    _unshare_works(), "cannot start a process in a new PID namespace here (`unshare --pid --fork` not permitted)"
+)
 
 
 def _runtime_warnings(caught: list) -> list:
@@ -309,6 +394,27 @@ def _child_attach_and_wait(path: str, conn: Any, event: Any) -> None:
         store.close()
 
 
+def _child_compute_forever(path: str, conn: Any) -> None:
+    store = SharedCacheStore(path, participate=False, claim_timeout=TIMEOUT)
+
+    def compute() -> int:
+        conn.send("computing")
+        time.sleep(TIMEOUT)  # to be killed
+        return -1
+
+    store.get_or_compute(0, "k", compute)
+
+
+def _child_read_after_fork(path: str) -> None:
+    store = SharedCacheStore(path, participate=False)
+    for _ in range(3):
+        t = store.get(0, "big")
+        if t is MISS or int(t[-1]) != 299_999:
+            raise AssertionError("wrong item")
+        del t
+        gc.collect()  # releases the mapping into the pool
+
+
 def _child_stats(path: str, conn: Any) -> None:
     conn.send(SharedCacheStore(path, participate=False).stats())
 
@@ -326,7 +432,7 @@ def _child_many_items(path: str, n: int, n_mapped: int) -> None:
     items = [store.get(i, f"key{i}") for i in range(n)]  # all alive at once
     if any(item is MISS or item["i"] != i or item["t"].tolist() != [i, i + 1] for i, item in enumerate(items)):
         raise AssertionError("wrong items")
-    cache_store._SMALL_FILE = 0  # map every file: the mappings must not hold a descriptor each
+    cache_mapping._SMALL_FILE = 0  # map every file: the mappings must not hold a descriptor each
     mapped = [store.get(i, f"key{i}") for i in range(n_mapped)]
     if any(item is MISS or item["t"].tolist() != [i, i + 1] for i, item in enumerate(mapped)):
         raise AssertionError("wrong mapped items")
@@ -426,8 +532,6 @@ class TestZeroCopy(_TempRootMixin):
     @skip_unless_linux
     @skip_unless_mapping_pool
     def test_unwritten_mapping_is_reused_written_one_never(self) -> None:
-        import monai.data.cache_store as cache_store
-
         store = self.new_store()
         store.put(0, "k", torch.arange(100_000))
         t = store.get(0, "k")  # below the pool's minimum size: unmapped with its last view
@@ -435,7 +539,7 @@ class TestZeroCopy(_TempRootMixin):
         del t
         gc.collect()
         self.assertEqual(self._mapped_files(address), [])
-        patcher = mock.patch.object(cache_store._POOL, "MIN_SIZE", 0)
+        patcher = mock.patch.object(cache_mapping._POOL, "MIN_SIZE", 0)
         patcher.start()
         self.addCleanup(patcher.stop)
         t = store.get(0, "k")
@@ -501,14 +605,48 @@ class TestZeroCopy(_TempRootMixin):
 
     @skip_unless_linux
     @skip_unless_mapping_pool
+    def test_fork_while_pool_is_updated(self) -> None:
+        """A worker forked while another thread holds the pool's lock, mid-update, can read items."""
+        patcher = mock.patch.object(cache_mapping._POOL, "MIN_SIZE", 0)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        store = self.new_store()
+        store.put(0, "big", torch.arange(300_000))
+        t = store.get(0, "big")
+        del t
+        gc.collect()  # a kept mapping
+        pool = cache_mapping._POOL
+        locked, release = threading.Event(), threading.Event()
+        item = os.path.join(store.path, "big.item")
+        st = os.stat(item)
+        ident = (item, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+        def update() -> None:
+            with pool._lock:
+                # torn state, as in the middle of _process: a mapping in the free list, not yet in the eviction order
+                pool._free.setdefault(ident, []).append((4096, 4096))
+                locked.set()
+                release.wait(TIMEOUT)
+                pool._free[ident].remove((4096, 4096))
+
+        thread = threading.Thread(target=update)
+        thread.start()
+        try:
+            self.assertTrue(locked.wait(TIMEOUT))
+            self.assertEqual(_run(_child_read_after_fork, store.path), 0)
+        finally:
+            release.set()
+            thread.join(TIMEOUT)
+        self.assertEqual(int(store.get(0, "big")[-1]), 299_999)
+
+    @skip_unless_linux
+    @skip_unless_mapping_pool
     def test_kept_mappings_do_not_pin_removed_items(self) -> None:
         def deleted_mappings(store_path: str) -> list[str]:
             with open("/proc/self/maps") as f:
                 return [line for line in f if store_path in line and "(deleted)" in line]
 
-        import monai.data.cache_store as cache_store
-
-        patcher = mock.patch.object(cache_store._POOL, "MIN_SIZE", 0)
+        patcher = mock.patch.object(cache_mapping._POOL, "MIN_SIZE", 0)
         patcher.start()
         self.addCleanup(patcher.stop)
         store = self.new_store()
@@ -620,37 +758,67 @@ class TestClaims(_TempRootMixin):
         self.assertEqual(store.get(0, "k"), 8)
 
     @skip_unless_linux
-    def test_stale_claim_of_dead_process_is_removed(self) -> None:
+    def test_claim_file_without_holder_is_free(self) -> None:
         store = self.new_store(claim_timeout=TIMEOUT)
-        proc = FORK.Process(target=time.sleep, args=(0,))  # type: ignore[union-attr]
-        proc.start()
-        proc.join(TIMEOUT)
-        with open(os.path.join(store.path, "k.claim"), "w") as f:
-            f.write(f"{proc.pid} 12345 1 {cache_store._self_id()[2]}\n")
+        open(os.path.join(store.path, "k.claim"), "w").close()  # e.g. left by a process killed while computing
+        start = time.monotonic()
         self.assertEqual(store.get_or_compute(0, "k", lambda: "computed"), "computed")
+        self.assertLess(time.monotonic() - start, TIMEOUT / 2)
         self.assertEqual(store.get(0, "k"), "computed")
-        self.assertEqual(_claims(store.path), [])
-
-    def test_empty_claim_is_stale_after_grace_period(self) -> None:
-        store = self.new_store(claim_timeout=TIMEOUT)
-        claim = os.path.join(store.path, "k.claim")
-        open(claim, "w").close()
-        _backdate(claim)
-        self.assertEqual(store.get_or_compute(0, "k", lambda: 3), 3)
         self.assertEqual(_claims(store.path), [])
 
     @skip_unless_linux
     def test_claim_timeout_computes_without_storing(self) -> None:
+        import fcntl
+
         store = self.new_store(claim_timeout=0.2)
-        parent = os.getppid()  # a live process that will not release the claim
-        with open(os.path.join(store.path, "k.claim"), "w") as f:
-            f.write(f"{parent} {cache_store._start_time(parent)} 1 {cache_store._self_id()[2]}\n")
+        fd = os.open(os.path.join(store.path, "k.claim"), os.O_CREAT | os.O_RDWR, 0o600)
+        self.addCleanup(os.close, fd)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held by someone else (another descriptor) that never releases it
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             self.assertEqual(store.get_or_compute(0, "k", lambda: 5), 5)
             self.assertEqual(store.get_or_compute(0, "k", lambda: 6), 6)
         self.assertEqual(len(_runtime_warnings(caught)), 1)
         self.assertIs(store.get(0, "k"), MISS)
+
+    @skip_unless_linux
+    def test_killed_owner_releases_claim_at_once(self) -> None:
+        """A process killed while it computes an item delays the others by about one poll, not claim_timeout."""
+        store = self.new_store(claim_timeout=TIMEOUT)
+        receiver, sender = FORK.Pipe(duplex=False)  # type: ignore[union-attr]
+        proc = FORK.Process(target=_child_compute_forever, args=(store.path, sender))  # type: ignore[union-attr]
+        proc.start()
+        try:
+            self.assertEqual(_recv(receiver), "computing")
+            calls: list[float] = []
+            done: list[float] = []
+            results: list[Any] = []
+
+            def compute() -> str:
+                calls.append(time.monotonic())
+                return "again"
+
+            def wait() -> None:
+                results.append(store.get_or_compute(0, "k", compute))
+                done.append(time.monotonic())
+
+            waiter = threading.Thread(target=wait)
+            waiter.start()
+            time.sleep(0.5)
+            self.assertEqual(done, [], "the waiter did not wait for the owner of the claim")
+            killed = time.monotonic()
+            os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            waiter.join(TIMEOUT)
+            self.assertFalse(waiter.is_alive())
+        finally:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            proc.join(TIMEOUT)
+        self.assertLess(done[0] - killed, 1.0)
+        self.assertEqual((results, len(calls)), (["again"], 1))  # computed once more, and stored
+        self.assertEqual(store.get(0, "k"), "again")
+        self.assertEqual(_claims(store.path), [])
 
     @skip_unless_linux
     def test_processes_compute_each_key_once(self) -> None:
@@ -838,7 +1006,6 @@ class TestLifetime(_TempRootMixin):
         first = self.new_store()
         second = SharedCacheStore(first.path)
         self.stores.append(second)
-        self.assertEqual(len(_markers(first.path)), 2)
         first.close()
         first.close()  # idempotent
         self.assertTrue(os.path.isdir(first.path))
@@ -850,47 +1017,36 @@ class TestLifetime(_TempRootMixin):
     def test_non_participant_does_not_keep_or_remove(self) -> None:
         store = self.new_store()
         reader = SharedCacheStore(store.path, participate=False)
-        self.assertEqual(len(_markers(store.path)), 1)
         reader.close()
         self.assertTrue(os.path.isdir(store.path))
         store.close()
         self.assertFalse(os.path.exists(store.path))
 
+    @skip_unless_linux
     def test_store_without_participant_is_a_leftover(self) -> None:
         store = self.new_store(participate=False)
         store.put(0, "k", 1)
-        with mock.patch.object(cache_store, "_LEFTOVER_MIN_AGE", LONG_MIN_AGE):  # however slowly this test runs
-            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])  # too recent: may be being created
-            _backdate(store.path, 2 * LONG_MIN_AGE)
-            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [store.path])
-        store = self.new_store(participate=False)
-        _backdate(store.path)  # a minute is old enough with the real minimum age
-        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [store.path])
-        self.assertFalse(os.path.exists(store.path))
+        self.assertFalse(_participated(store.path))
+        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [store.path])  # at once: no age needed
+        # a directory without a lock file: its creator may be making it, or died before
+        creating = tempfile.mkdtemp(prefix="monai-cache-", dir=self.root)
+        with mock.patch.object(cache_coord, "_LEFTOVER_MIN_AGE", LONG_MIN_AGE):  # however slowly this test runs
+            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])
+            _backdate(creating, 2 * LONG_MIN_AGE)
+            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [creating])
+        creating = tempfile.mkdtemp(prefix="monai-cache-", dir=self.root)
+        _backdate(creating)  # a minute is old enough with the real minimum age
+        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [creating])
+        self.assertEqual(os.listdir(self.root), [])
 
     @skip_unless_linux
-    def test_marker_of_other_pid_namespace_counts_as_alive(self) -> None:
-        store = self.new_store(participate=False)
-        dead = FORK.Process(target=time.sleep, args=(0,))  # type: ignore[union-attr]
-        dead.start()
-        dead.join(TIMEOUT)
-        namespace = cache_store._self_id()[2]
-        other = os.path.join(store.path, f".live-{dead.pid}-1-{namespace + 1}-0000")
-        open(other, "w").close()  # e.g. a container that shares /dev/shm: its pids cannot be checked from here
+    def test_cleanup_keeps_stores_in_use(self) -> None:
+        store = self.new_store()
+        reader = SharedCacheStore(store.path, participate=False)
         _backdate(store.path)
         self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])
-        os.rename(other, os.path.join(store.path, f".live-{dead.pid}-1-{namespace}-0000"))
-        _backdate(store.path)
-        self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [store.path])
-
-    @skip_unless_linux
-    def test_liveness_without_proc(self) -> None:
-        dead = FORK.Process(target=time.sleep, args=(0,))  # type: ignore[union-attr]
-        dead.start()
-        dead.join(TIMEOUT)
-        with mock.patch.object(cache_store.sys, "platform", "darwin"):  # psutil if installed, else kill(pid, 0)
-            self.assertIsNotNone(cache_store._start_time(os.getpid()))
-            self.assertIsNone(cache_store._start_time(dead.pid))  # type: ignore[arg-type]
+        self.assertEqual(reader.get_or_compute(0, "k", lambda: 4), 4)
+        self.assertEqual(store.get(0, "k"), 4)
 
     def test_garbage_collection_closes(self) -> None:
         store = SharedCacheStore(root=self.root)
@@ -902,26 +1058,65 @@ class TestLifetime(_TempRootMixin):
     @skip_unless_linux
     def test_killed_creator_is_cleaned_up(self) -> None:
         paths: list[str] = []
-        # the forked creators inherit the patch: however slowly this test runs, the directories stay recent until
-        # backdated, so the second creator's cleanup of the root must leave the first one's directory alone
-        with mock.patch.object(cache_store, "_LEFTOVER_MIN_AGE", LONG_MIN_AGE):
-            for _ in range(2):
-                receiver, sender = FORK.Pipe(duplex=False)  # type: ignore[union-attr]
-                proc = FORK.Process(target=_child_create_and_wait, args=(self.root, sender))  # type: ignore[union-attr]
-                proc.start()
-                try:
-                    paths.append(_recv(receiver))
-                finally:
-                    os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
-                    proc.join(TIMEOUT)
-                # nobody could remove them: their creators were killed, and they are recent
-                self.assertEqual(sorted(os.listdir(self.root)), sorted(os.path.basename(p) for p in paths))
-            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])  # too recent: may be being created
-            _backdate(paths[0], 2 * LONG_MIN_AGE)
-            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [paths[0]])
-            self.assertTrue(os.path.isdir(paths[1]))
-        _backdate(paths[1])  # a minute is old enough with the real minimum age
-        store = self.new_store()  # a new store cleans its root
+        for _ in range(2):
+            receiver, sender = FORK.Pipe(duplex=False)  # type: ignore[union-attr]
+            proc = FORK.Process(target=_child_create_and_wait, args=(self.root, sender))  # type: ignore[union-attr]
+            proc.start()
+            try:
+                paths.append(_recv(receiver))
+                self.assertTrue(_participated(paths[-1]))
+            finally:
+                os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                proc.join(TIMEOUT)
+        # the second creator's cleanup removed the first one's directory, its creator killed: no age to wait for
+        self.assertEqual(os.listdir(self.root), [os.path.basename(paths[1])])
+        store = self.new_store()  # a new store cleans its root at once
+        self.assertEqual(os.listdir(self.root), [os.path.basename(store.path)])
+
+    @skip_unless_linux
+    @skip_unless_unshare
+    def test_participant_in_other_pid_namespace(self) -> None:
+        """Processes of two PID namespaces share a store: it stays while either uses it and goes with the last."""
+        store = self.new_store()
+        store.put(0, "k", torch.arange(3))
+        proc = _start_in_pid_namespace(store.path)
+        try:
+            store.close()  # the creator leaves first
+            self.assertTrue(os.path.isdir(store.path))  # the other namespace still uses it
+            self.assertTrue(_participated(store.path))
+            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])
+            other = SharedCacheStore(store.path)  # one more from this namespace
+            self.assertTrue(torch.equal(other.get(0, "k"), torch.arange(3)))
+        finally:
+            code = _stop(proc)
+        self.assertEqual(code, 0)
+        self.assertTrue(os.path.isdir(store.path))  # this namespace still uses it
+        other.close()
+        self.assertFalse(os.path.exists(store.path))  # the last one removed it
+
+    @skip_unless_linux
+    @skip_unless_unshare
+    def test_all_participants_killed_across_pid_namespaces(self) -> None:
+        """A store whose participants were all killed, one in another PID namespace, is removed by the next one."""
+        receiver, sender = FORK.Pipe(duplex=False)  # type: ignore[union-attr]
+        creator = FORK.Process(target=_child_create_and_wait, args=(self.root, sender))  # type: ignore[union-attr]
+        creator.start()
+        other = None
+        try:
+            path = _recv(receiver)
+            other = _start_in_pid_namespace(path)
+            os.kill(creator.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            creator.join(TIMEOUT)
+            self.assertTrue(os.path.isdir(path))
+            self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])  # still in use in the other one
+            _stop(other, kill=True)
+        finally:
+            if creator.is_alive():
+                os.kill(creator.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            creator.join(TIMEOUT)
+            if other is not None and other.poll() is None:
+                _stop(other, kill=True)
+        store = self.new_store()  # no age wait: the lock file tells that no one is left
         self.assertEqual(os.listdir(self.root), [os.path.basename(store.path)])
 
     @skip_unless_linux
@@ -934,7 +1129,6 @@ class TestLifetime(_TempRootMixin):
             self.assertEqual(_recv(receiver), "attached")
             store.close()
             self.assertTrue(os.path.isdir(store.path))  # the child still participates
-            _backdate(store.path)
             self.assertEqual(SharedCacheStore.cleanup_leftovers(self.root), [])
         finally:
             event.set()
@@ -952,17 +1146,16 @@ class TestLifetime(_TempRootMixin):
             self.assertEqual(_recv(receiver), "attached")
         finally:
             os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        _wait_for(lambda: cache_store._start_time(proc.pid) is None)  # type: ignore[arg-type]
-        self.assertEqual(len(_markers(store.path)), 2)
+            proc.join(TIMEOUT)
+        self.assertTrue(_participated(store.path))  # this process
         store.close()
-        proc.join(TIMEOUT)
         self.assertFalse(os.path.exists(store.path))
 
     @skip_unless_linux
     def test_forked_child_never_removes(self) -> None:
         store = SharedCacheStore(root=self.root)
         store.put(0, "k", 1)
-        path, markers = store.path, _markers(store.path)
+        path = store.path
         for how in ("gc", "close"):
             pid = os.fork()
             if pid == 0:  # pragma: no cover (child)
@@ -987,10 +1180,25 @@ class TestLifetime(_TempRootMixin):
                 time.sleep(0.01)
             self.assertEqual(os.waitstatus_to_exitcode(status), 0, f"{how}: the child failed")
             self.assertTrue(os.path.isdir(path), how)
-            self.assertEqual(_markers(path), markers, how)
+            self.assertTrue(_participated(path), how)
         self.assertEqual(store.get(0, "k"), 1)
         store.close()
         self.assertFalse(os.path.exists(path))
+
+    @skip_unless_linux
+    def test_forked_child_does_not_keep_store(self) -> None:
+        store = SharedCacheStore(root=self.root)
+        path = store.path
+        event = FORK.Event()  # type: ignore[union-attr]
+        proc = FORK.Process(target=event.wait, args=(TIMEOUT,))  # type: ignore[union-attr]
+        proc.start()  # inherits the store, and the descriptor of its lock
+        try:
+            store.close()
+            self.assertFalse(os.path.exists(path))  # the child, still alive, does not participate
+        finally:
+            event.set()
+            proc.join(TIMEOUT)
+        self.assertEqual(proc.exitcode, 0)
 
     @slow
     @unittest.skipIf(QUICKTEST, "starts a new interpreter")
@@ -1038,7 +1246,6 @@ class TestPickleAndStats(_TempRootMixin):
         self.assertIsInstance(copy, SharedCacheStore)
         self.assertEqual(copy.path, store.path)
         self.assertEqual(copy._claim_timeout, 12.5)
-        self.assertEqual(len(_markers(store.path)), 1)
         self.assertTrue(torch.equal(copy.get(0, "k")["t"], torch.arange(4)))
         copy.close()
         self.assertTrue(os.path.isdir(store.path))

@@ -567,7 +567,8 @@ class TestSmallDevShm(unittest.TestCase):
         """The scenario is real: a store that may fill /dev/shm makes the DataLoader's batch transfer fail."""
         proc = self.run_in_64mb_shm(MONAI_CACHE_RESERVE_BYTES="0")
         self.assertNotEqual(proc.returncode, 0, proc.stdout)
-        self.assertIn("unable to allocate shared memory", proc.stderr)
+        # how it dies depends on the timing: no room for a batch's shared memory, or a worker's bus error on it
+        self.assertRegex(proc.stderr, "unable to allocate shared memory|Bus error|No space left on device")
 
 
 class TestFaults(ManagerTestCase):

@@ -164,8 +164,13 @@ def store_dirs(root: str) -> list[str]:
     return sorted(n for n in os.listdir(root) if n.startswith("monai-cache-"))
 
 
-def markers(path: str) -> list[str]:
-    return sorted(n for n in os.listdir(path) if n.startswith(".live-"))
+def participants(path: str) -> int:
+    """How many store objects participate in the store ``path``: the flock holders of its ``.lock`` (/proc/locks)."""
+    st = os.stat(os.path.join(path, ".lock"))
+    with open("/proc/locks") as f:
+        fields = [line.split() for line in f]
+    suffix = f":{st.st_ino}"
+    return sum(1 for x in fields if len(x) > 5 and x[1] == "FLOCK" and x[5].endswith(suffix))
 
 
 def wait_for(cond: Any, what: str, timeout: float = WAIT) -> None:
@@ -272,7 +277,7 @@ def spawn_rank(rank: int, world: int, tmp: str, root: str) -> None:
         # 5. rank 0 exits right after the first epoch; rank 1 goes on with cache hits, the directory stays until
         # rank 1, the last participant, closes it
         store = create_shared_cache(path=root)
-        pids = gather(os.getpid())
+        gather(os.getpid())
         log = os.path.join(tmp, "early.log")
         ds = make_dataset(log, store)
         run_epochs(ds, rank, world, [0], workers=2)
@@ -282,9 +287,8 @@ def spawn_rank(rank: int, world: int, tmp: str, root: str) -> None:
             facts["done"] = True
             mark("end")
             return  # exits without close(): the store's exit hook removes this rank's marker only
-        prefix = f".live-{pids[0]}-"
-        wait_for(lambda: not any(m.startswith(prefix) for m in markers(store.path)), "rank 0 to leave")
-        facts["early_markers_after_rank0"] = len(markers(store.path))
+        wait_for(lambda: participants(store.path) == 1, "rank 0 to leave")  # rank 1's own lock is left
+        facts["early_markers_after_rank0"] = participants(store.path)
         before = executions(log)
         run_epochs(ds, rank, world, [1, 2], workers=2)
         facts["early_executions_before"] = dict(before)

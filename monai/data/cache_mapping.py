@@ -1,0 +1,265 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+Reading item files of a :py:class:`monai.data.SharedCacheStore`: private copy-on-write mappings that hold no file
+descriptor, and the per-process pool that reuses them.
+
+A hit must cost neither a copy nor an open descriptor (a dataset may hold thousands of items at once), and every
+reader must get a private copy that it may write to. A ``MAP_PRIVATE`` mapping gives both; on Python < 3.13
+``mmap.mmap`` keeps a dup of the descriptor, so the mapping is made through libc. Small files are simply read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import threading
+from collections import deque
+from typing import Any, cast
+
+import numpy as np
+
+from monai.data.cache_format import _ALIGN, _SMALL_FILE
+
+_O_BINARY = getattr(os, "O_BINARY", 0)  # Windows: no newline translation
+
+_LIBC: Any = None
+_LIBC_LOADED = False
+
+
+def _libc() -> Any:
+    """libc's mmap/munmap through ctypes (Python < 3.13 on POSIX, where ``mmap.mmap`` keeps a dup of the fd)."""
+    global _LIBC, _LIBC_LOADED
+    if not _LIBC_LOADED:
+        _LIBC_LOADED = True
+        if os.name == "posix" and sys.version_info < (3, 13):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.mmap.restype = ctypes.c_void_p
+                libc.mmap.argtypes = [
+                    ctypes.c_void_p,
+                    ctypes.c_size_t,
+                    ctypes.c_int,
+                    ctypes.c_int,
+                    ctypes.c_int,
+                    ctypes.c_long,
+                ]
+                libc.munmap.restype = ctypes.c_int
+                libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+                _LIBC = libc
+            except (OSError, AttributeError):
+                _LIBC = None
+    return _LIBC
+
+
+class _MappingPool:
+    """
+    Private mappings of item files that a later read in this process may take over, with their page tables.
+
+    A fresh mapping costs a page fault for every page a reader touches, and an ``munmap`` at the end; for a random
+    crop of a large image that is most of a hit's cost. A mapping whose views are all gone, and whose pages were
+    never written (no copy-on-write page in ``/proc/self/pagemap``), still holds exactly the file's content, so the
+    next read of the same file (same path, device, inode, size and modification time) reuses it: no new faults, no
+    unmap. A written mapping, or one that cannot be checked (no pagemap), is unmapped as before, so every reader
+    still gets a private, pristine copy. The pool is per process and bounded. Kept mappings of files removed or
+    replaced since are dropped at the next release or read, and at once when their store is closed or invalidated
+    in this process, so that they do not pin the removed files' pages.
+
+    Releases come from ``__del__``, which the garbage collector may run anywhere, even inside this pool's own
+    critical section: they are only queued (a thread-safe ``deque``), and whoever gets the lock without waiting
+    processes the queue. Nothing here ever waits for the lock from a finalizer.
+    """
+
+    MAX_MAPPINGS = 32
+    MIN_SIZE = 8 << 20  # smaller mappings are cheaper to make again than to check in the pagemap
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple, list[tuple[int, int]]] = {}
+        self._order: list[tuple[tuple, int, int]] = []  # oldest first, for eviction
+        self._queue: deque = deque()  # ("release", libc, ident, addr, size) or ("purge", path prefix)
+        self._libc: Any = None
+
+    def take(self, ident: tuple) -> int | None:
+        """A kept mapping of the file ``ident``, or None."""
+        with self._lock:  # never called from a finalizer; a finalizer run in here only queues
+            free = self._free.get(ident)
+            addr = None
+            if free:
+                addr, size = free.pop()
+                self._order.remove((ident, addr, size))
+        self.drain()
+        return addr
+
+    def release(self, libc: Any, ident: tuple | None, addr: int, size: int) -> None:
+        """Keep an unwritten mapping of a file that still exists for reuse; unmap anything else. Never blocks."""
+        self._libc = libc
+        self._queue.append(("release", libc, ident, addr, size))
+        self.drain()
+
+    def purge(self, prefix: str) -> None:
+        """Unmap the kept mappings of files under ``prefix`` (a closed or invalidated store). Never blocks."""
+        self._queue.append(("purge", prefix))
+        self.drain()
+
+    def drain(self) -> None:
+        while self._queue:
+            if not self._lock.acquire(blocking=False):
+                return  # the holder (this thread re-entered by the collector, or another thread) drains the queue
+            try:
+                while self._queue:
+                    self._process(self._queue.popleft())
+            finally:
+                self._lock.release()
+
+    def _process(self, job: tuple) -> None:
+        unmap: list[tuple[int, int]] = []
+        if job[0] == "release":
+            _, libc, ident, addr, size = job
+            if ident is None or not _is_current(ident) or not _pristine(addr, size):
+                unmap.append((addr, size))
+            else:
+                self._free.setdefault(ident, []).append((addr, size))
+                self._order.append((ident, addr, size))
+            stale = [entry for entry in self._order if not _is_current(entry[0])]
+        else:
+            prefix = job[1]
+            stale = [entry for entry in self._order if entry[0][0].startswith(prefix)]
+        keep = [entry for entry in self._order if entry not in stale]
+        keep = keep[max(0, len(keep) - self.MAX_MAPPINGS) :]
+        for entry in self._order:
+            if entry not in keep:
+                self._free[entry[0]].remove(entry[1:])
+                unmap.append(entry[1:])
+        self._order = keep
+        for addr, size in unmap:
+            self._libc.munmap(addr, size)
+
+    def after_fork_in_child(self) -> None:
+        """
+        Start afresh in a forked child (a DataLoader worker). Another thread of the parent may have held the lock,
+        in the middle of an update, when the process forked: in the child that thread does not exist, so the lock
+        would never be released and the lists may disagree. The child forgets the kept mappings (it still has its
+        own private copies of them, which it leaves mapped: unmapping after a torn update could unmap a mapping
+        in use) and takes a new lock.
+        """
+        self._lock = threading.Lock()
+        self._free = {}
+        self._order = []
+        self._queue = deque()
+
+
+_POOL = _MappingPool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL.after_fork_in_child)
+_PAGE = mmap.PAGESIZE
+
+
+def _is_current(ident: tuple) -> bool:
+    """Whether the file a mapping was made of, ``(path, device, inode, size, mtime)``, is still at its path."""
+    path, dev, ino, size, mtime = ident
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (dev, ino, size, mtime)
+
+
+def _pristine(addr: int, size: int) -> bool:
+    """Whether no page of the private mapping ``[addr, addr+size)`` was written (Linux pagemap); False if unknown."""
+    first, count = addr // _PAGE, (size + _PAGE - 1) // _PAGE
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        data = os.pread(fd, count * 8, first * 8)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if len(data) != count * 8:
+        return False
+    entries = np.frombuffer(data, dtype=np.uint64)
+    present_or_swapped = (entries >> np.uint64(62)) != 0  # bit 63 present, bit 62 swapped
+    file_page = ((entries >> np.uint64(61)) & np.uint64(1)) != 0  # bit 61: page of the file, not a private copy
+    return not bool(np.any(present_or_swapped & ~file_page))
+
+
+class _PrivateMapping:
+    """Owner of a ``MAP_PRIVATE`` file mapping made through libc; recycled or unmapped when its last view is gone."""
+
+    def __init__(self, libc: Any, addr: int, size: int, ident: tuple | None) -> None:
+        self._libc, self._addr, self._size, self._ident = libc, addr, size, ident
+        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+    def __del__(self) -> None:
+        try:
+            _POOL.release(self._libc, self._ident, self._addr, self._size)
+        except Exception:
+            pass
+
+
+def _map_private(fd: int, size: int, ident: tuple | None = None) -> memoryview:
+    """
+    A writable, private, copy-on-write mapping of the whole file ``fd``; the caller may close ``fd`` at once.
+
+    ``ident`` (path, device, inode, size, modification time) lets an unwritten mapping of the same file be reused.
+    """
+    if sys.version_info >= (3, 13):
+        kwargs: dict[str, Any] = {"trackfd": False}
+        return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY, **kwargs))
+    libc = _libc()
+    if libc is None:  # e.g. Windows: the mapping keeps a handle of its own
+        return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+    if size < _POOL.MIN_SIZE:
+        ident = None  # not pooled: unmapped with its last view
+    addr = _POOL.take(ident) if ident is not None else None
+    if addr is None:
+        prot = mmap.PROT_READ | mmap.PROT_WRITE  # type: ignore[attr-defined]
+        addr = libc.mmap(None, size, prot, mmap.MAP_PRIVATE, fd, 0)  # type: ignore[attr-defined]
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    return memoryview(cast(Any, np.asarray(_PrivateMapping(libc, addr, size, ident))))
+
+
+def _read_small(fd: int, size: int) -> memoryview:
+    """Read a small file into a private, writable, 64-byte aligned buffer."""
+    arr = np.empty(size + _ALIGN, dtype=np.uint8)
+    start = -arr.ctypes.data % _ALIGN
+    view = memoryview(cast(Any, arr[start : start + size]))
+    pos = 0
+    while pos < size:
+        if hasattr(os, "readv"):
+            n = os.readv(fd, [view[pos:]])
+        else:  # Windows
+            chunk = os.read(fd, size - pos)
+            n = len(chunk)
+            view[pos : pos + n] = chunk
+        if n <= 0:
+            break
+        pos += n
+    return view[:pos]
+
+
+def _read_file(path: str) -> tuple[memoryview, int]:
+    """The content of ``path`` as a private writable buffer, and the file's inode; no descriptor stays open."""
+    fd = os.open(path, os.O_RDONLY | _O_BINARY)
+    try:
+        st = os.fstat(fd)
+        if st.st_size < _SMALL_FILE:
+            return _read_small(fd, st.st_size), st.st_ino
+        return _map_private(fd, st.st_size, (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)), st.st_ino
+    finally:
+        os.close(fd)
