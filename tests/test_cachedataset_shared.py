@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -34,7 +35,7 @@ from parameterized import parameterized
 from monai.data import CacheDataset, DataLoader
 from monai.data.cache_store import SharedCacheStore
 from monai.data.dataset import _ListCache
-from monai.data.utils import transforms_hashing
+from monai.data.utils import pickle_hashing, transforms_hashing
 from monai.transforms import Compose, RandomizableTransform, Transform
 
 TIMEOUT = 120  # seconds for any wait on another process
@@ -684,6 +685,104 @@ class TestDistributed(ManagerTestCase):
                 self.assertLessEqual(counts[k], 2)
             for k in DATA[cache_num:]:
                 self.assertEqual(counts[k], 3)
+
+
+class CountedLoad(Load):
+    """``Load`` holding members that pickle cannot store: a lock and a ``multiprocessing.Value``."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__(log)
+        self.lock = threading.Lock()
+        self.calls = multiprocessing.Value("i", 0)
+
+
+def _unpicklable_rank(rank: int, world: int, init: str, path: str, log: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        store = SharedCacheStore(path)  # the parent's store, shared by both ranks (one node)
+        data = list(range(24))
+        ds = CacheDataset(data, Compose([CountedLoad(log), RandAdd()]), runtime_cache=store, progress=False)
+        sampler = torch.utils.data.distributed.DistributedSampler(ds, shuffle=True, seed=3)
+        # fork workers: a multiprocessing.Value is passed to a process by inheritance only
+        loader = DataLoader(
+            ds, batch_size=2, sampler=sampler, num_workers=2, timeout=TIMEOUT, multiprocessing_context="fork"
+        )
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            for batch in loader:
+                for s, img in zip(batch["src"], batch["img"]):
+                    assert torch.equal(img, torch.full((3, 4), float(s) + 1)), (rank, int(s))
+            dist.barrier()
+        store.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _key_train(item) -> bytes:
+    return pickle_hashing(("train", item))
+
+
+def _key_val(item) -> bytes:
+    return pickle_hashing(("val", item))
+
+
+class Tag(Transform):
+    """Tells whether it was given a whole list or one element of it."""
+
+    def __call__(self, x):
+        return {"tag": ("whole", x) if isinstance(x, list) else ("item", x), "img": torch.zeros(1)}
+
+
+class TestKeys(unittest.TestCase):
+    def test_unpicklable_members_count_by_type(self):
+        a, b = CountedLoad("x"), CountedLoad("x")
+        self.assertIsNotNone(transforms_hashing([a]))
+        self.assertEqual(transforms_hashing([a]), transforms_hashing([b]))  # other lock and Value, same type
+        self.assertNotEqual(transforms_hashing([a]), transforms_hashing([CountedLoad("y")]))  # picklable state counts
+        self.assertNotEqual(transforms_hashing([a]), transforms_hashing([Load("x")]))  # and the type
+
+    def test_two_gloo_ranks_unpicklable_transform_compute_each_item_once(self):
+        """2 ranks x 2 workers x 3 epochs, 24 items, a transform holding a multiprocessing.Value: 24 computations."""
+        tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, tmp, True)
+        store = SharedCacheStore()
+        self.addCleanup(store.close)
+        log = os.path.join(tmp, "log")
+        init = f"file://{os.path.join(tmp, 'rdzv')}"
+        ctx = torch.multiprocessing.spawn(
+            _unpicklable_rank, args=(2, init, store.path, log), nprocs=2, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + 2 * TIMEOUT
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    kill_tree(p.pid)
+                self.fail("distributed workers timed out")
+        self.assertEqual(executions(log), Counter({i: 1 for i in range(24)}))
+
+    def test_namespace_by_hash_func(self):
+        """Pipelines that the hash cannot tell apart get separate items with a namespaced hash_func (the guide's)."""
+        store = SharedCacheStore()
+        self.addCleanup(store.close)
+        with tempfile.TemporaryDirectory() as tmp:
+            log = os.path.join(tmp, "log")
+            for hash_func in (_key_train, _key_val, _key_val):
+                ds = CacheDataset(DATA, make_transform(log), hash_func=hash_func, runtime_cache=store, progress=False)
+                for i in range(len(DATA)):
+                    check_item(self, ds[i], DATA[i])
+            self.assertEqual(executions(log), Counter({k: 2 for k in DATA}))  # once per namespace
+
+    def test_compose_options_are_part_of_the_key(self):
+        """Two datasets that differ only in Compose(map_items=...) share a store and never read each other's items."""
+        store = SharedCacheStore()
+        self.addCleanup(store.close)
+        data = [[1, 2], [3, 4]]
+        whole = CacheDataset(data, Compose([Tag(), RandAdd()], map_items=False), runtime_cache=store, progress=False)
+        each = CacheDataset(data, Compose([Tag(), RandAdd()], map_items=True), runtime_cache=store, progress=False)
+        for _ in range(2):
+            for i, d in enumerate(data):
+                self.assertEqual(whole[i]["tag"], ("whole", d))
+                self.assertEqual([x["tag"] for x in each[i]], [("item", v) for v in d])
 
 
 if __name__ == "__main__":
