@@ -29,7 +29,7 @@ import json
 import os
 import time
 
-__all__ = ["ENV_ROOT", "ENV_RESERVE", "ENV_MAX_BYTES", "Budget", "default_reserve"]
+__all__ = ["ENV_ROOT", "ENV_RESERVE", "ENV_MAX_BYTES", "Budget", "default_reserve", "scan_items"]
 
 ENV_ROOT = "MONAI_CACHE_ROOT"  # where new stores are created, instead of /dev/shm
 ENV_RESERVE = "MONAI_CACHE_RESERVE_BYTES"  # the reserve of new stores, in bytes
@@ -38,6 +38,23 @@ MAX_DEFAULT_RESERVE = 4 << 30
 _BUDGET_FILE = ".budget"
 _REFUSED_FILE = ".refused"  # one byte per item refused, appended by any process: its size is the count
 _RESCAN = 1.0  # seconds between two scans of the store's size, per process
+
+
+def scan_items(path: str) -> tuple[int, int]:
+    """``(number, total size)`` of the item files in the store directory ``path`` (one scan)."""
+    count = nbytes = 0
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                if entry.name.endswith(".item") and not entry.name.startswith("."):
+                    try:
+                        nbytes += entry.stat(follow_symlinks=False).st_size
+                    except OSError:
+                        continue
+                    count += 1
+    except OSError:
+        pass
+    return count, nbytes
 
 
 def default_reserve(total: int) -> int:
@@ -128,18 +145,7 @@ class Budget:
         """The total size of the store's items, scanned at most once a second (plus what this process wrote)."""
         now = time.monotonic()
         if now - self._scanned_at >= _RESCAN:
-            total = 0
-            try:
-                with os.scandir(self.path) as it:
-                    for entry in it:
-                        if entry.name.endswith(".item") and not entry.name.startswith("."):
-                            try:
-                                total += entry.stat(follow_symlinks=False).st_size
-                            except OSError:
-                                continue
-            except OSError:
-                pass
-            self._used, self._scanned_at = total, now
+            self._used, self._scanned_at = scan_items(self.path)[1], now
         return self._used
 
     def written(self, nbytes: int) -> None:

@@ -28,6 +28,29 @@ Locks are held on descriptors opened with ``O_CLOEXEC``; a forked child closes i
 does not release the parent's lock, but a child that outlived a killed parent would otherwise keep it). Without
 ``fcntl`` (Windows) nothing can be told, so nothing is removed for others and no claim excludes anyone: items may
 be computed more than once, which is safe since publishing is atomic.
+
+Claims:
+    :py:meth:`~monai.data.SharedCacheStore.get_or_compute` computes each missing item once across all processes and
+    threads: the first one holds an exclusive ``flock`` on a ``<key>.claim`` file while it computes and stores the item,
+    the others poll (every 50 ms at most) for the item or for the claim, at most ``claim_timeout`` seconds, then compute
+    the item without storing it. The kernel releases the lock of a process that dies, so a crashed or killed owner
+    delays the others by about one poll, never ``claim_timeout``, whatever its PID namespace (other containers sharing
+    ``/dev/shm``). Threads of one process exclude each other too; a ``compute`` that asks for the key its thread is
+    computing computes it again, without storing it.
+
+Lifetime:
+    Each participating store object (``participate=True``) holds a shared ``flock`` on the store's ``.lock`` file.
+    :py:meth:`~monai.data.SharedCacheStore.close` (called at garbage collection and at exit too) releases it and, if the
+    lock can then be taken exclusively, no participant remains: it removes the directory while holding that lock, so no
+    one joins meanwhile. A process that dies, even killed, releases its lock with it. Locks work across PID namespaces,
+    so DDP ranks, containers and pods sharing ``/dev/shm`` participate alike: a store is never removed while a process
+    of any of them participates, and it is removed when the last one leaves. A forked child (a DataLoader worker) drops
+    the locks it inherits, so it never keeps the store, nor removes it. Directories of crashed runs are removed by
+    :py:meth:`~monai.data.SharedCacheStore.cleanup_leftovers`, which every new store runs on its root: at once if no
+    process holds their lock (so a store that nobody participates in, such as one created with ``participate=False``, is
+    one), after a few seconds if they have no lock file (a creator died before making it). A process that attaches with
+    ``participate=True`` while the last participant removes the store works without cache, as when the directory is gone
+    (see the Faults of :py:class:`~monai.data.SharedCacheStore`).
 """
 
 from __future__ import annotations
@@ -39,6 +62,8 @@ import stat
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 from monai.data.cache_budget import ENV_ROOT
 
@@ -254,6 +279,58 @@ def try_claim(claim: str) -> Held | None:
         if _same_file(held.fd, claim):
             return held
         held.close()  # its holder released it (unlinked it) between our open and our lock: try again
+
+
+class ClaimUnavailable(OSError):
+    """A claim file could not be created (the caller computes without claiming)."""
+
+
+def compute_once(
+    claim: str,
+    lookup: Callable[[], Any],
+    compute: Callable[[], Any],
+    publish: Callable[[Any], Any],
+    timeout: float,
+    mine: set[str],
+    miss: Any,
+) -> tuple[Any, bool]:
+    """
+    The item of ``claim``: ``lookup()`` unless it returns ``miss``; else computed once across processes and threads,
+    by the holder of ``claim``, and published with ``publish``. The others poll for the item or the claim (the
+    kernel releases the claim of a holder that dies); after ``timeout`` seconds they compute the item without
+    publishing it, and the second value returned is ``True``. A thread that holds ``claim`` already (its
+    ``compute`` asks for the item it is computing; ``mine`` is the thread's set of claims) computes it again.
+
+    Raises:
+        ClaimUnavailable: the claim file cannot be created.
+    """
+    if claim in mine:
+        return compute(), False
+    deadline = time.monotonic() + timeout
+    delay = _POLL_MIN
+    while True:
+        try:
+            held = try_claim(claim)
+        except OSError as err:
+            raise ClaimUnavailable(err.errno, str(err)) from err
+        if held is not None:
+            try:
+                mine.add(claim)
+                item = lookup()  # it may have been published between the caller's miss and this claim
+                if item is miss:
+                    item = compute()
+                    publish(item)
+                return item, False
+            finally:
+                mine.discard(claim)
+                release_claim(claim, held)
+        item = lookup()
+        if item is not miss:
+            return item, False
+        if time.monotonic() > deadline:
+            return compute(), True  # computing it here, without publishing it, cannot deadlock or corrupt anything
+        time.sleep(delay)
+        delay = min(delay * 1.5, _POLL_MAX)
 
 
 def release_claim(claim: str, held: Held) -> None:

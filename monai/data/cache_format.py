@@ -17,6 +17,22 @@ them. An item file is therefore: a fixed prefix, the key (utf-8, checked on read
 miss), a table of (offset, length) of the out-of-band buffers, the protocol-5 pickle stream at ``header_len``, then
 every out-of-band buffer (the bytes of numpy arrays and CPU tensors), raw, at an offset aligned to ``_ALIGN`` bytes.
 Files are written with ``os.write`` only, never through a mapping: a full file system is an error, not a ``SIGBUS``.
+
+Storage:
+    An item is pickled with protocol 5. The bytes of numpy arrays and of CPU tensors of any dtype (including
+    ``MetaTensor``, whose ``meta``, ``applied_operations`` and ``is_batch`` are kept) are not pickled: they are written
+    raw, aligned to 64 bytes, after the pickle stream. An item is written to a temporary file with ``os.write`` and
+    published with an atomic ``os.replace``: a crashed writer never leaves a partial item under its final name, and a
+    full file system is an ``ENOSPC`` error, never a ``SIGBUS``. A published file is never modified again, only replaced
+    or removed. The directory holds ``<key>.item`` files, ``<key>.claim`` files (see :py:mod:`monai.data.cache_coord`),
+    the lock file ``.lock`` (see :py:mod:`monai.data.cache_coord`), the capacity in ``.meta`` and the files being
+    written in ``.tmp/`` (each locked by its writer; those of writers that died are removed by the next
+    :py:meth:`~monai.data.SharedCacheStore.put`).
+
+    Only CPU tensors can be stored; storing a tensor on another device raises ``TypeError``. Keep the cached
+    (deterministic) transforms on the CPU and move the data to the GPU after them, for example with
+    ``EnsureTyped(keys, device=...)`` placed after the first random transform. Tensors are stored detached
+    (``requires_grad`` is not kept) and contiguous; tensors of one item that share memory are stored separately.
 """
 
 from __future__ import annotations

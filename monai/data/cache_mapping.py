@@ -15,6 +15,18 @@ descriptor, and the per-process pool that reuses them.
 A hit must cost neither a copy nor an open descriptor (a dataset may hold thousands of items at once), and every
 reader must get a private copy that it may write to. A ``MAP_PRIVATE`` mapping gives both; on Python < 3.13
 ``mmap.mmap`` keeps a dup of the descriptor, so the mapping is made through libc. Small files are simply read.
+
+Reading:
+    A file is mapped with a private, copy-on-write mapping (files under 64 KiB are simply read into a private
+    buffer) and no file descriptor stays open. Arrays and tensors of the item are views of that mapping: reading
+    costs no copy, and their pages are shared with the page cache until someone writes to them.
+
+    Every :py:meth:`~monai.data.SharedCacheStore.get` returns a new object graph over its own private mapping, so a
+    caller may modify an item in place (as random transforms do) without affecting the cache or any other reader. When
+    all views of a mapping are gone and none of its pages was written (checked in ``/proc/self/pagemap``), the process
+    keeps the mapping, with its page tables, for the next read of the same unchanged file: repeated hits of an item then
+    cost no new page faults and no ``munmap``. A written mapping is always unmapped. ``reads_are_private`` is therefore
+    ``True``, and ``CacheDataset`` skips its deepcopy of cached items.
 """
 
 from __future__ import annotations

@@ -28,14 +28,13 @@ import secrets
 import shutil
 import tempfile
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from monai.data import cache_coord as coord
-from monai.data.cache_budget import ENV_ROOT, Budget
+from monai.data.cache_budget import ENV_ROOT, Budget, scan_items
 from monai.data.cache_format import _VERSION, MISS, _CorruptItem, _decode, _encode, _write_all, _write_item
 from monai.data.cache_mapping import _POOL, _read_file
 
@@ -47,7 +46,6 @@ _CLAIM_SUFFIX = ".claim"
 _TMP_DIR = ".tmp"
 _META_FILE = ".meta"
 _SAFE_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
-_POLL_MIN, _POLL_MAX = 0.001, 0.05
 # errors after which this process stops writing to the store (they will not go away by themselves)
 _PERSISTENT_WRITE_ERRORS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", -1)}
 
@@ -88,61 +86,21 @@ class SharedCacheStore:
     (a store pickles as its path, so this works under ``fork``, ``spawn`` and ``forkserver``); other processes, such
     as the DDP ranks of one node, attach with ``SharedCacheStore(path)``.
 
-    Storage:
-        An item is pickled with protocol 5. The bytes of numpy arrays and of CPU tensors of any dtype (including
-        ``MetaTensor``, whose ``meta``, ``applied_operations`` and ``is_batch`` are kept) are not pickled: they are
-        written raw, aligned to 64 bytes, after the pickle stream. An item is written to a temporary file with
-        ``os.write`` and published with an atomic ``os.replace``: a crashed writer never leaves a partial item under
-        its final name, and a full file system is an ``ENOSPC`` error, never a ``SIGBUS``. A published file is never
-        modified again, only replaced or removed. The directory holds ``<key>.item`` files, ``<key>.claim`` files
-        (see Claims), the lock file ``.lock`` (see Lifetime), the capacity in ``.meta`` and the files being written
-        in ``.tmp/`` (each locked by its writer; those of writers that died are removed by the next :py:meth:`put`).
-
-        Only CPU tensors can be stored; storing a tensor on another device raises ``TypeError``. Keep the cached
-        (deterministic) transforms on the CPU and move the data to the GPU after them, for example with
-        ``EnsureTyped(keys, device=...)`` placed after the first random transform. Tensors are stored detached
-        (``requires_grad`` is not kept) and contiguous; tensors of one item that share memory are stored separately.
-
-    Reading:
-        A file is mapped with a private, copy-on-write mapping (files under 64 KiB are simply read into a private
-        buffer) and no file descriptor stays open. Arrays and tensors of the item are views of that mapping: reading
-        costs no copy, and their pages are shared with the page cache until someone writes to them.
-
-        Every :py:meth:`get` returns a new object graph over its own private mapping, so a caller may modify an item
-        in place (as random transforms do) without affecting the cache or any other reader.
-        When all views of a mapping are gone and none of its pages was written (checked in ``/proc/self/pagemap``),
-        the process keeps the mapping, with its page tables, for the next read of the same unchanged file: repeated
-        hits of an item then cost no new page faults and no ``munmap``. A written mapping is always unmapped.
-        ``reads_are_private`` is therefore ``True``, and ``CacheDataset`` skips its deepcopy of cached items.
-
-    Claims:
-        :py:meth:`get_or_compute` computes each missing item once across all processes and threads: the first one
-        holds an exclusive ``flock`` on a ``<key>.claim`` file while it computes and stores the item, the others
-        poll (every 50 ms at most) for the item or for the claim, at most ``claim_timeout`` seconds, then compute
-        the item without storing it. The kernel releases the lock of a process that dies, so a crashed or killed
-        owner delays the others by about one poll, never ``claim_timeout``, whatever its PID namespace (other
-        containers sharing ``/dev/shm``). Threads of one process exclude each other too; a ``compute`` that asks
-        for the key its thread is computing computes it again, without storing it.
+    How it works, in the modules that do it: the item file format and what can be stored in
+    :py:mod:`monai.data.cache_format` (CPU tensors of any dtype, ``MetaTensor`` with its metadata, numpy arrays, any
+    picklable object; a tensor on another device is a ``TypeError``), copy-on-write reads in
+    :py:mod:`monai.data.cache_mapping`, claims and lifetime in :py:mod:`monai.data.cache_coord`, the budget in
+    :py:mod:`monai.data.cache_budget`. In short: an item is written to a temporary file and published with an atomic
+    ``os.replace``; every :py:meth:`get` returns a new object graph whose arrays and tensors are views of a private
+    copy-on-write mapping, so a caller may modify it in place (``reads_are_private`` is ``True`` and
+    ``CacheDataset`` skips its deepcopy); :py:meth:`get_or_compute` computes each missing item once across processes
+    and threads; the store is removed when its last participant closes (or dies), in any PID namespace.
 
     Faults:
         A removed directory, a full file system or a permission error never raises: this process warns once and
         carries on as with a cache that misses (after a persistent write error such as ``ENOSPC`` it stops writing,
         but still reads what is there). A removed directory is never created again. A malformed item file counts
         as a miss and is removed.
-
-    Lifetime:
-        Each participating store object (``participate=True``) holds a shared ``flock`` on the store's ``.lock``
-        file. :py:meth:`close` (called at garbage collection and at exit too) releases it and, if the lock can then
-        be taken exclusively, no participant remains: it removes the directory while holding that lock, so no one
-        joins meanwhile. A process that dies, even killed, releases its lock with it. Locks work across PID
-        namespaces, so DDP ranks, containers and pods sharing ``/dev/shm`` participate alike: a store is never
-        removed while a process of any of them participates, and it is removed when the last one leaves. A forked
-        child (a DataLoader worker) drops the locks it inherits, so it never keeps the store, nor removes it.
-        Directories of crashed runs are removed by :py:meth:`cleanup_leftovers`, which every new store runs on its
-        root: at once if no process holds their lock (so a store that nobody participates in, such as one created
-        with ``participate=False``, is one), after a few seconds if they have no lock file (a creator died before
-        making it). A process that attaches with ``participate=True`` while the last participant
-        removes the store works without cache, as when the directory is gone (see Faults).
 
     Budget:
         The DataLoader moves batches from its workers through shared memory, on the same ``/dev/shm`` by default,
@@ -160,12 +118,14 @@ class SharedCacheStore:
         root: where to create a new store: the directory named by the environment variable ``MONAI_CACHE_ROOT``
             if set, else ``/dev/shm`` if it is a writable directory, else the system's temporary directory (macOS,
             Windows). Only used when ``path`` is ``None``.
-        participate: whether this process keeps the store alive until it closes it (see Lifetime).
-        claim_timeout: how long, in seconds, :py:meth:`get_or_compute` waits for an item another process or thread
+        participate: whether this process keeps the store alive until it closes it (see
+        :py:mod:`monai.data.cache_coord`). claim_timeout: how long, in seconds, :py:meth:`get_or_compute` waits for an
+        item another process or thread
             is computing before it computes the item itself without storing it.
         reserve: bytes that the store keeps free on its file system, for the DataLoader's own shared memory (see
-            Budget); ``None`` for ``MONAI_CACHE_RESERVE_BYTES`` if set, else half the file system, at most 4 GiB.
-            Only used when ``path`` is ``None``: the store's creator sets the budget for all its users.
+            :py:mod:`monai.data.cache_budget`); ``None`` for ``MONAI_CACHE_RESERVE_BYTES`` if set, else half the file
+            system, at most 4 GiB. Only used when ``path`` is ``None``: the store's creator sets the budget for all its
+            users.
         max_bytes: a cap on the total size of the store's items; ``None`` for ``MONAI_CACHE_MAX_BYTES`` if set,
             else no cap. Only used when ``path`` is ``None``.
 
@@ -444,37 +404,23 @@ class SharedCacheStore:
         if self._gone or not self._writable:
             return compute()
         claim = self._claim_path(key)
-        held_here = self._held_claims()
-        if claim in held_here:
-            return compute()  # compute() asks for the item it is computing: computing it again cannot deadlock
-        deadline = time.monotonic() + self._claim_timeout
-        delay = _POLL_MIN
-        while True:
-            try:
-                held = coord.try_claim(claim)
-            except OSError as err:
-                self._fault("cannot create claim files", err)
-                return compute()
-            if held is not None:
-                try:
-                    held_here.add(claim)
-                    item = self.get(index, key)  # it may have been published between our miss and our claim
-                    if item is MISS:
-                        item = compute()
-                        self.put(index, key, item)
-                    return item
-                finally:
-                    held_here.discard(claim)
-                    coord.release_claim(claim, held)
-            item = self.get(index, key)
-            if item is not MISS:
-                return item
-            if time.monotonic() > deadline:
-                timeout = TimeoutError(f"{claim} was held for more than claim_timeout={self._claim_timeout} s")
-                self._warn_once("waited too long for another process to compute an item", timeout)
-                return compute()  # computing it here, without storing it, cannot deadlock or corrupt anything
-            time.sleep(delay)
-            delay = min(delay * 1.5, _POLL_MAX)
+        try:
+            item, timed_out = coord.compute_once(
+                claim,
+                lambda: self.get(index, key),
+                compute,
+                lambda computed: self.put(index, key, computed),
+                self._claim_timeout,
+                self._held_claims(),
+                MISS,
+            )
+        except coord.ClaimUnavailable as err:
+            self._fault("cannot create claim files", err)
+            return compute()
+        if timed_out:
+            timeout = TimeoutError(f"{claim} was held for more than claim_timeout={self._claim_timeout} s")
+            self._warn_once("waited too long for another process to compute an item", timeout)
+        return item
 
     def _held_claims(self) -> set[str]:
         held = getattr(self._local, "claims", None)
@@ -491,18 +437,7 @@ class SharedCacheStore:
             "refused": number of items that were computed but not stored because of the budget (reserve or
             max_bytes), by all processes}``.
         """
-        filled = nbytes = 0
-        try:
-            with os.scandir(self._path) as it:
-                for entry in it:
-                    if entry.name.endswith(_ITEM_SUFFIX) and not entry.name.startswith("."):
-                        try:
-                            nbytes += entry.stat(follow_symlinks=False).st_size
-                        except OSError:
-                            continue
-                        filled += 1
-        except OSError:
-            pass
+        filled, nbytes = scan_items(self._path)
         return {"filled": filled, "capacity": len(self), "nbytes": nbytes, "refused": self._budget.refused()}
 
     # -- lifetime -------------------------------------------------------------------------------------------------
@@ -520,10 +455,10 @@ class SharedCacheStore:
 
     @staticmethod
     def cleanup_leftovers(root: str | os.PathLike | None = None) -> list[str]:
-        """
-        Remove the store directories left in ``root`` by processes that are gone: ``monai-cache-*`` directories of
-        the current user in which no process participates (see Lifetime). Directories without a lock file (being
-        created, or of crashed creators) are removed only once they have not been modified for a few seconds.
+        """Remove the store directories left in ``root`` by processes that are gone: ``monai-cache-*`` directories of
+        the current user in which no process participates (see :py:mod:`monai.data.cache_coord`). Directories without a
+        lock file (being created, or of crashed creators) are removed only once they have not been modified for a few
+        seconds.
 
         Args:
             root: the directory to clean; by default the default root of new stores.
