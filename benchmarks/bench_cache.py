@@ -601,7 +601,7 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
 
 def _breakdown(eager: Any, store_ds: Any, tr: Any, first_random: int, reps: int) -> dict[str, Any]:
     """Where the time of one hit goes, for the floor and for the store: read, crop, copy, release; page faults."""
-    from monai.data import cache_store
+    from monai.data import cache_format, cache_mapping
 
     slots, key = store_ds._runtime, store_ds._runtime_keys[0]
     item_path = slots._item_path(key)
@@ -623,8 +623,8 @@ def _breakdown(eager: Any, store_ds: Any, tr: Any, first_random: int, reps: int)
         record("private_nocopy", "copy", _collate_copy, out)
         del data, out
 
-        raw = record("store", "open+mmap", cache_store._read_file, item_path)[0]
-        data = record("store", "unpickle", cache_store._decode, raw, key)
+        raw = record("store", "open+mmap", cache_mapping._read_file, item_path)[0]
+        data = record("store", "unpickle", cache_format._decode, raw, key)
         del raw
         out = record("store", "crop", tr, data, start=first_random)
         record("store", "copy", _collate_copy, out)
