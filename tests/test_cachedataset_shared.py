@@ -115,6 +115,17 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def run_ranks(test: unittest.TestCase, fn, args: tuple, nprocs: int = 2) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; fail, killing them and their workers, past the timeout."""
+    ctx = torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + 2 * TIMEOUT
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                kill_tree(p.pid)
+            test.fail("distributed workers timed out")
+
+
 def executions(log: str) -> Counter:
     if not os.path.exists(log):
         return Counter()
@@ -659,15 +670,7 @@ class TestDistributed(ManagerTestCase):
         lengths = (0, 3, 20)
         caches = [self.manager.list([None] * n) for n in lengths]
         init = f"file://{os.path.join(self.tmp, 'rdzv')}"
-        ctx = torch.multiprocessing.spawn(
-            _ddp_worker, args=(2, init, caches, rate, self.tmp), nprocs=2, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + 2 * TIMEOUT
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    kill_tree(p.pid)
-                self.fail("distributed workers timed out")
+        run_ranks(self, _ddp_worker, (2, init, caches, rate, self.tmp))
         cache_num = int(len(DATA) * rate)
         for n, cache in enumerate(caches):
             self.assertEqual(len(cache), cache_num, f"initial length {lengths[n]}")
@@ -749,15 +752,7 @@ class TestKeys(unittest.TestCase):
         self.addCleanup(store.close)
         log = os.path.join(tmp, "log")
         init = f"file://{os.path.join(tmp, 'rdzv')}"
-        ctx = torch.multiprocessing.spawn(
-            _unpicklable_rank, args=(2, init, store.path, log), nprocs=2, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + 2 * TIMEOUT
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    kill_tree(p.pid)
-                self.fail("distributed workers timed out")
+        run_ranks(self, _unpicklable_rank, (2, init, store.path, log))
         self.assertEqual(executions(log), Counter({i: 1 for i in range(24)}))
 
     def test_namespace_by_hash_func(self):
