@@ -908,6 +908,13 @@ JOBS: dict[str, Callable[[dict], dict[str, Any]]] = {
 def _run_job_main(job: str, cfg_path: str, result_path: str) -> int:
     with open(cfg_path) as f:
         cfg = json.load(f)
+    if os.environ.get("MONAI_BENCH_NO_POOL"):  # --no-pool: every mapping is made anew and unmapped after use
+        try:
+            from monai.data import cache_mapping
+
+            cache_mapping._POOL.MIN_SIZE = sys.maxsize
+        except ImportError:  # the upstream tree
+            pass
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         try:
@@ -1400,12 +1407,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-upstream", action="store_true", help="skip the upstream 1.6.1 ListProxy paths")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT), help="output directory (default benchmarks/output)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a target fails")
+    parser.add_argument("--no-pool", action="store_true", help="disable the store's mapping reuse (to measure it)")
     parser.add_argument("--no-refresh", action="store_true", help="do not refresh build/tree (layout --if-stale)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed for each subprocess")
     parser.add_argument("--job", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.job:
         return _run_job_main(*args.job)
+    if args.no_pool:
+        os.environ["MONAI_BENCH_NO_POOL"] = "1"  # read by every job subprocess
     if not sys.platform.startswith("linux"):
         print("this benchmark needs Linux (/proc, /dev/shm)", file=sys.stderr)
         return 2
