@@ -504,9 +504,9 @@ def refresh(patch: Path, tree: Path, files: list[str] | None = None, src_root: P
     patch instead (``pristine --upto``), then refresh the later patches in turn.
     """
     series = patch_files(src_root / PATCHES)
-    text = patch.read_text() if patch.is_file() else ""
-    # a new patch may hold only its header so far
-    touched = [fp.path for fp in parse_patch(text, patch.name)] if _HEADER_LINE.search(text) else []
+    # a new patch may hold only its description so far
+    header, diffs = _strip_header(patch.read_text() if patch.is_file() else "")
+    touched = [fp.path for fp in parse_patch(diffs, patch.name)] if diffs else []
     wanted = list(dict.fromkeys(touched + list(files or [])))
     if not wanted:
         raise BuildError(f"{patch.name}: name the upstream files it should change")
@@ -527,8 +527,6 @@ def refresh(patch: Path, tree: Path, files: list[str] | None = None, src_root: P
             diff = make_patch(rel, before, after)
             if diff:
                 parts.append(diff)
-    found = _HEADER_LINE.search(text)
-    header = text[: found.start()] if found else text
     patch.write_text(header + "".join(parts))
     return patch.name
 

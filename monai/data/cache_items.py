@@ -26,7 +26,7 @@ import re
 import secrets
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from monai.data import cache_coord as coord
@@ -123,25 +123,8 @@ class ItemFiles:
             self._budget.refuse()
             self._warn_budget(total, why)
             return False
-        tmp = self._tmp_name(self._stem(key))
-        try:
-            held = coord.open_temp(tmp)  # held until published: a temporary file without a lock is a dead one's
-        except OSError as err:
-            self._fault("cannot write items", err)
+        if not self._publish(self._stem(key), self._item_path(key), lambda fd: _write_item(fd, chunks, total)):
             return False
-        try:
-            try:
-                _write_item(held.fd, chunks, total)
-                os.replace(tmp, self._item_path(key))
-            finally:
-                held.close()
-        except OSError as err:
-            coord.unlink_quiet(tmp)
-            self._fault("cannot write items", err)
-            return False
-        except BaseException:
-            coord.unlink_quiet(tmp)
-            raise
         self._budget.written(total)
         coord.clean_dead_temps(self._tmp_dir)
         return True
@@ -177,6 +160,29 @@ class ItemFiles:
 
     def _item_path(self, key: str) -> str:
         return os.path.join(self._path, self._stem(key) + _ITEM_SUFFIX)
+
+    def _publish(self, stem: str, dest: str, write: Callable[[int], None], what: str = "cannot write items") -> bool:
+        """
+        Write a file with ``write(fd)`` into a temporary file named after ``stem``, locked until it is published at
+        ``dest`` with an atomic ``os.replace`` (a temporary file without a lock is a dead writer's). Whether it was
+        published: ``False`` after a file system fault, which is handled as ``what``.
+        """
+        tmp = self._tmp_name(stem)
+        try:
+            held = coord.open_temp(tmp)
+            try:
+                write(held.fd)
+                os.replace(tmp, dest)
+            finally:
+                held.close()
+        except OSError as err:
+            coord.unlink_quiet(tmp)
+            self._fault(what, err)
+            return False
+        except BaseException:
+            coord.unlink_quiet(tmp)
+            raise
+        return True
 
     def _tmp_name(self, stem: str) -> str:
         return os.path.join(self._tmp_dir, f"{stem}-{secrets.token_hex(8)}")

@@ -247,17 +247,9 @@ class SharedCacheStore(ItemFiles):
             raise ValueError(f"the capacity must be non-negative, got {n}.")
         if self._gone:
             return
-        tmp = self._tmp_name("meta")
-        try:
-            held = coord.open_temp(tmp)
-            try:
-                _write_all(held.fd, memoryview(json.dumps({"capacity": int(n), "format": _VERSION}).encode()))
-                os.replace(tmp, os.path.join(self._path, _META_FILE))
-            finally:
-                held.close()
-        except OSError as err:
-            coord.unlink_quiet(tmp)
-            self._fault("cannot record the capacity", err)
+        meta = memoryview(json.dumps({"capacity": int(n), "format": _VERSION}).encode())
+        dest = os.path.join(self._path, _META_FILE)
+        self._publish("meta", dest, lambda fd: _write_all(fd, meta), "cannot record the capacity")
 
     def get_or_compute(self, index: int, key: str, compute: Callable[[], Any]) -> Any:
         """
