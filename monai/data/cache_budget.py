@@ -36,7 +36,6 @@ ENV_RESERVE = "MONAI_CACHE_RESERVE_BYTES"  # the reserve of new stores, in bytes
 ENV_MAX_BYTES = "MONAI_CACHE_MAX_BYTES"  # the cap of new stores, in bytes
 MAX_DEFAULT_RESERVE = 4 << 30
 _BUDGET_FILE = ".budget"
-_REFUSED_FILE = ".refused"  # one byte per item refused, appended by any process: its size is the count
 _RESCAN = 1.0  # seconds between two scans of the store's size, per process
 
 
@@ -151,23 +150,3 @@ class Budget:
     def written(self, nbytes: int) -> None:
         """Count an item this process has just written, until the next scan."""
         self._used += nbytes
-
-    def refuse(self) -> None:
-        """Count an item that was not stored, for every process to see in ``stats()``."""
-        try:
-            fd = os.open(os.path.join(self.path, _REFUSED_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        except OSError:
-            return
-        try:
-            os.write(fd, b".")
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-    def refused(self) -> int:
-        """How many items were not stored because of the budget, by all processes."""
-        try:
-            return os.stat(os.path.join(self.path, _REFUSED_FILE)).st_size
-        except OSError:
-            return 0

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 from monai.data import cache_coord as coord
 from monai.data.cache_budget import ENV_ROOT, Budget
+from monai.data.cache_counters import REFUSED, Counters
 from monai.data.cache_format import MISS, _CorruptItem, _decode, _encode, _write_item
 from monai.data.cache_mapping import _POOL, _read_file
 
@@ -64,6 +65,7 @@ class ItemFiles:
     _gone: bool
     _writable: bool
     _budget: Budget
+    _counters: Counters
     _warned: ClassVar[set[tuple[int, int, str]]] = set()  # (pid, store, what) of the warnings given, once per process
 
     def get(self, index: int, key: str, default: Any = MISS) -> Any:
@@ -116,14 +118,16 @@ class ItemFiles:
             Exception: whatever pickling the item raises (e.g. for an unpicklable object).
         """
         if self._gone or not self._writable:
+            self._counters.add(REFUSED)
             return False
         chunks, total = _encode(key, item)  # raises before any file is created
         why = self._budget.room_for(total)
         if why is not None:
-            self._budget.refuse()
+            self._counters.add(REFUSED)
             self._warn_budget(total, why)
             return False
         if not self._publish(self._stem(key), self._item_path(key), lambda fd: _write_item(fd, chunks, total)):
+            self._counters.add(REFUSED)
             return False
         self._budget.written(total)
         coord.clean_dead_temps(self._tmp_dir)

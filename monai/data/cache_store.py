@@ -31,6 +31,7 @@ from typing import Any
 
 from monai.data import cache_coord as coord
 from monai.data.cache_budget import Budget, scan_items
+from monai.data.cache_counters import COMPUTED, HITS, MISSES, REFUSED, Counters
 from monai.data.cache_format import _VERSION, MISS, _write_all
 from monai.data.cache_items import _TMP_DIR, ItemFiles
 from monai.data.cache_mapping import _POOL
@@ -200,6 +201,7 @@ class SharedCacheStore(ItemFiles):
         self._local = threading.local()  # per thread: the claims it holds
         self._finalizer: weakref.finalize | None = None
         self._budget = Budget.load(path)  # as recorded by the process that created the store
+        self._counters = Counters(path)
 
     def _hold(self, held: coord.Held | None) -> None:
         # runs at close(), at garbage collection and at interpreter exit; a forked child no longer holds anything
@@ -268,27 +270,83 @@ class SharedCacheStore(ItemFiles):
         """
         item = self.get(index, key)
         if item is not MISS:
+            self._counters.add(HITS)
             return item
-        if self._gone or not self._writable:
+        self._counters.add(MISSES)
+        item, _ = self._compute_once(index, key, compute, lambda: self.get(index, key), wait=True)
+        return item
+
+    def fill(self, index: int, key: str, compute: Callable[[], Any], wait: bool = True) -> bool:
+        """
+        Make sure that an item is stored under ``key``, without reading it: compute and store it unless it is
+        stored already or (with ``wait=False``) another process or thread is computing it.
+
+        Args:
+            index: the slot, informational only: items are addressed by ``key``.
+            key: the content key of the item.
+            compute: computes the item; called at most once, and only if no other process has stored it.
+            wait: whether to wait for another process or thread computing the item (and to compute it if that one
+                dies or does not publish it within ``claim_timeout``), rather than return ``False`` at once.
+
+        Returns:
+            ``False`` if the item is being computed elsewhere and ``wait`` is ``False``, else ``True`` (the item is
+            stored, or was computed but refused by the budget, or the store is unusable).
+
+        Raises:
+            Exception: whatever ``compute`` raises (the claim is released first), or what :py:meth:`put` raises.
+        """
+        path = self._item_path(key)
+        present = lambda: True if os.path.exists(path) else MISS  # noqa: E731
+        if self._gone or present() is True:
+            return True
+        _, done = self._compute_once(index, key, compute, present, wait)
+        return done
+
+    def _compute_once(
+        self, index: int, key: str, compute: Callable[[], Any], lookup: Callable[[], Any], wait: bool
+    ) -> tuple[Any, bool]:
+        def counted() -> Any:
+            self._counters.add(COMPUTED)
             return compute()
+
+        def publish(item: Any) -> None:
+            self.put(index, key, item)  # counts the item as refused if it is not stored
+
+        if self._gone or not self._writable:
+            item = counted()
+            self._counters.add(REFUSED)
+            return item, True
         claim = self._claim_path(key)
+        if not wait:
+            try:
+                held = coord.try_claim(claim)
+            except OSError as err:
+                self._fault("cannot create claim files", err)
+                return None, False
+            if held is None:
+                return None, False
+            mine = self._held_claims()
+            try:
+                mine.add(claim)
+                if lookup() is MISS:
+                    publish(counted())
+            finally:
+                mine.discard(claim)
+                coord.release_claim(claim, held)
+            return None, True
         try:
             item, timed_out = coord.compute_once(
-                claim,
-                lambda: self.get(index, key),
-                compute,
-                lambda computed: self.put(index, key, computed),
-                self._claim_timeout,
-                self._held_claims(),
-                MISS,
+                claim, lookup, counted, publish, self._claim_timeout, self._held_claims(), MISS
             )
         except coord.ClaimUnavailable as err:
             self._fault("cannot create claim files", err)
-            return compute()
+            item, timed_out = counted(), False
+            self._counters.add(REFUSED)
         if timed_out:
+            self._counters.add(REFUSED)
             timeout = TimeoutError(f"{claim} was held for more than claim_timeout={self._claim_timeout} s")
             self._warn_once("waited too long for another process to compute an item", timeout)
-        return item
+        return item, True
 
     def _held_claims(self) -> set[str]:
         held = getattr(self._local, "claims", None)
@@ -298,15 +356,28 @@ class SharedCacheStore(ItemFiles):
 
     def stats(self) -> dict[str, int]:
         """
-        Count the items of the store (one directory scan; any process can call it).
+        Count the items of the store and the events of all its processes (one directory scan; any process can call
+        it, including processes that only read).
 
         Returns:
             ``{"filled": number of items, "capacity": len(self), "nbytes": total size of the item files,
-            "refused": number of items that were computed but not stored because of the budget (reserve or
-            max_bytes), by all processes}``.
+            "hits", "misses": reads by :py:meth:`get_or_compute` that found / did not find the item,
+            "computed": items computed by :py:meth:`get_or_compute` and :py:meth:`fill`, "refused": items computed
+            but not stored (budget, see Budget, or a file system fault)}``, the counts over all processes that
+            used the store, including those that are gone.
         """
         filled, nbytes = scan_items(self._path)
-        return {"filled": filled, "capacity": len(self), "nbytes": nbytes, "refused": self._budget.refused()}
+        return {"filled": filled, "capacity": len(self), "nbytes": nbytes, **self._counters.total()}
+
+    def process_stats(self) -> dict[str, int]:
+        """
+        The events of this process (``hits``, ``misses``, ``computed``, ``refused``, as in :py:meth:`stats`).
+
+        Returns:
+            the counts of this process, through this object and the copies it passed to its DataLoader workers
+            before they started (each worker counts for itself).
+        """
+        return self._counters.local()
 
     # -- lifetime -------------------------------------------------------------------------------------------------
 
