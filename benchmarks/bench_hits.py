@@ -1,0 +1,312 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+The hits section's jobs: per-hit and fill timings of each path, the first read of an item, the breakdown of a hit,
+and the kernel's floor of a first read (``bench_kernel``). ``micro_fork`` runs paths 1, 2, 5 (and 6) in the fork's
+tree, ``micro_upstream`` paths 3 and 4 in the upstream tree.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import bench_kernel
+from bench_common import (
+    PATHS,
+    UPSTREAM_PATHS,
+    DeepcopyCounter,
+    collate_copy,
+    compute_times,
+    hit,
+    inputs,
+    item_arrays,
+    job_setup,
+    median,
+    minflt,
+    plain_write,
+    transforms,
+)
+
+
+def job_micro_fork(cfg: dict) -> dict[str, Any]:
+    """
+    Paths 1, 2 and 5 (fork tree), and 6 with ``--store-root``: fill, raw write vs plain write, and hits interleaved
+    path by path (so that their ratios see the same load).
+    """
+    info = job_setup()
+    from monai.data import CacheDataset
+    from monai.data.cache_store import SharedCacheStore
+
+    reps, fill_n, warmup = cfg["reps"], cfg["fill_n"], 2
+    data = inputs(cfg, fill_n)
+    compute, nbytes = compute_times(cfg, False, cfg["compute_n"])
+    tr, first_random = transforms(cfg["roi"], False)
+    res: dict[str, Any] = {"info": info, "item_nbytes": nbytes, "paths": {}}
+    roots = {"store": None}
+    if cfg.get("store_root"):
+        roots["store_root"] = cfg["store_root"]
+
+    # fill: eager (the constructor computes every item) and store (the first read of each item is a miss)
+    start = time.perf_counter()
+    eager = CacheDataset(data, tr, copy_cache=False, progress=False, num_workers=1)
+    fills: dict[str, list[float]] = {"private": [(time.perf_counter() - start) / fill_n]}
+    stores: dict[str, Any] = {}
+    for name, root in roots.items():
+        cache = "process" if root is None else SharedCacheStore(root=root)
+        stores[name] = CacheDataset(data, tr, runtime_cache=cache, progress=False)
+        fills[name] = []
+        for i in range(fill_n):
+            start = time.perf_counter()
+            hit(stores[name], i)
+            fills[name].append(time.perf_counter() - start)
+
+    # raw write of one computed item: list assignment / store.put, against a plain os.write of the same bytes
+    item = tr(inputs(cfg, 1)[0], end=first_random)
+    arrays = item_arrays(item)
+    lst: list[Any] = [None]
+    writes: dict[str, list[float]] = {"private": []}
+    plains: dict[str, list[float]] = {}
+    file_bytes = 0
+    for r in range(cfg["compute_n"] + 2):
+        start = time.perf_counter()
+        lst[0] = item
+        writes["private"].append(time.perf_counter() - start)
+        lst[0] = None
+    for name, root in roots.items():
+        store = SharedCacheStore(root=root)
+        writes[name], plains[name] = [], []
+        for r in range(cfg["compute_n"] + 2):
+            key = f"write-{r}"
+            start = time.perf_counter()
+            store.put(0, key, item)
+            writes[name].append(time.perf_counter() - start)
+            file_bytes = store.stats()["nbytes"]
+            plains[name].append(plain_write(os.path.dirname(store.path), arrays))
+            store.invalidate([key], [])
+        store.close()
+    plains["private"] = plains["store"]
+    del arrays
+
+    # hits, interleaved: private no-copy, private copy (same list, copy_cache toggled), store(s)
+    counter = DeepcopyCounter()
+    datasets = {"private_nocopy": (eager, False), "private_copy": (eager, True)}
+    datasets.update({name: (ds, True) for name, ds in stores.items()})
+    hits: dict[str, list[float]] = {p: [] for p in datasets}
+    faults: dict[str, int] = dict.fromkeys(datasets, 0)
+    copies: dict[str, int] = dict.fromkeys(datasets, 0)
+    for r in range(warmup + reps):
+        for name, (ds, copy_cache) in datasets.items():
+            ds.copy_cache = copy_cache
+            f0, c0 = minflt(), counter.count
+            start = time.perf_counter()
+            hit(ds)
+            elapsed = time.perf_counter() - start
+            if r >= warmup:
+                hits[name].append(elapsed)
+                faults[name] += minflt() - f0
+                copies[name] += counter.count - c0
+    counter.restore()
+
+    # first read of an item in this process: the computed item is published under as many new keys as there are
+    # timed reads, and each key is read once (nothing this process kept from an earlier read can serve it); the
+    # floor is timed in between, so that the ratio sees the same load
+    n_first = cfg["first_reps"]
+    first: dict[str, list[float]] = {name: [] for name in ["private_nocopy", *stores]}
+    first_faults: dict[str, int] = dict.fromkeys(stores, 0)
+    first_sets = {}
+    for name, root in roots.items():
+        cache = "process" if root is None else SharedCacheStore(root=root)
+        ds = CacheDataset(inputs(cfg, n_first, start=10_000), tr, runtime_cache=cache, progress=False)
+        for i in range(n_first):
+            cast(Any, ds._runtime).put(i, ds._runtime_keys[i], item)
+        first_sets[name] = ds
+    del item
+    eager.copy_cache = False
+    for i in range(n_first):
+        start = time.perf_counter()
+        hit(eager)
+        first["private_nocopy"].append(time.perf_counter() - start)
+        for name, ds in first_sets.items():
+            f0 = minflt()
+            start = time.perf_counter()
+            hit(ds, i)
+            first[name].append(time.perf_counter() - start)
+            first_faults[name] += minflt() - f0
+    for ds in first_sets.values():
+        cast(Any, ds._runtime).invalidate(ds._runtime_keys, [])
+    del first_sets
+
+    for name in datasets:
+        kind = "private" if name.startswith("private") else name
+        res["paths"][name] = {
+            "compute_s": compute,
+            "fill_s": fills[kind],
+            "write_s": writes[kind],
+            "plain_write_s": plains[kind],
+            "hit_s": hits[name],
+            "minflt_per_hit": faults[name] / reps,
+            "deepcopies_per_hit": copies[name] / reps,
+        }
+    for name in stores:
+        res["paths"][name]["first_read_s"] = first[name]
+        res["paths"][name]["first_read_floor_s"] = first["private_nocopy"]
+        res["paths"][name]["first_read_minflt"] = first_faults[name] / n_first
+    res["paths"]["store"]["reads_are_private"] = bool(stores["store"]._runtime.reads_are_private)
+    res["paths"]["store"]["file_bytes_per_item"] = file_bytes
+    try:  # uses private functions of cache_store: informative only
+        res["breakdown"] = _breakdown(eager, stores["store"], tr, first_random, reps)
+    except Exception as err:
+        res["breakdown_error"] = f"{type(err).__name__}: {err}"
+    res["kernel_floor"] = {name: _kernel_floor(cfg, eager, ds) for name, ds in stores.items()}
+    return res
+
+
+def _item_file(store_ds: Any) -> str:
+    """The file of the first item of a dataset's store (by the store's ``_item_path``, else its largest file)."""
+    slots = store_ds._runtime
+    try:
+        path = slots._item_path(store_ds._runtime_keys[0])
+        if os.path.isfile(path):
+            return str(path)
+    except Exception:  # a private function of the store: fall back on the directory
+        pass
+    files = [os.path.join(root, n) for root, _, names in os.walk(slots.path) for n in names if n.endswith(".item")]
+    if not files:
+        raise FileNotFoundError(f"no item file under {slots.path}")
+    return max(files, key=os.path.getsize)
+
+
+def _kernel_floor(cfg: dict, eager: Any, store_ds: Any) -> dict[str, Any]:
+    """``bench_kernel.measure`` on the item file of ``store_ds``, interleaved with the floor's hit (never raises)."""
+    try:
+        path = _item_file(store_ds)
+        eager.copy_cache = False
+        arrays = [((4, *cfg["shape"]), 4), ((1, *cfg["shape"]), 1)]  # the image (float32) and the label (uint8)
+        res = bench_kernel.measure(path, arrays, cfg["roi"], cfg["first_reps"], lambda: hit(eager))
+        res["store_dir"] = os.path.dirname(store_ds._runtime.path)
+        return res
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def _breakdown(eager: Any, store_ds: Any, tr: Any, first_random: int, reps: int) -> dict[str, Any]:
+    """Where the time of one hit goes, for the floor and for the store: read, crop, copy, release; page faults."""
+    from monai.data import cache_format, cache_mapping
+
+    slots, key = store_ds._runtime, store_ds._runtime_keys[0]
+    item_path = slots._item_path(key)
+    steps: dict[str, dict[str, list[float]]] = {"private_nocopy": {}, "store": {}}
+
+    def record(path: str, step: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        f0 = minflt()
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        elapsed = time.perf_counter() - start
+        steps[path].setdefault(step, []).append(elapsed)
+        steps[path].setdefault(step + " faults", []).append(float(minflt() - f0))
+        return out
+
+    cached = eager._cache
+    for _ in range(reps):
+        data = record("private_nocopy", "read", cached.__getitem__, 0)
+        out = record("private_nocopy", "crop", tr, data, start=first_random)
+        record("private_nocopy", "copy", collate_copy, out)
+        del data, out
+
+        raw = record("store", "open+mmap", cache_mapping._read_file, item_path)[0]
+        data = record("store", "unpickle", cache_format._decode, raw, key)
+        del raw
+        out = record("store", "crop", tr, data, start=first_random)
+        record("store", "copy", collate_copy, out)
+        start = time.perf_counter()
+        del data, out  # the last views of the mapping: munmap
+        steps["store"].setdefault("release", []).append(time.perf_counter() - start)
+        record("store", "get() total", slots.get, 0, key)
+    return {path: {step: median(v) for step, v in d.items()} for path, d in steps.items()}
+
+
+def job_micro_upstream(cfg: dict) -> dict[str, Any]:
+    """Paths 3 and 4 (upstream tree), one after the other: fill, ``ListProxy`` write vs plain write, hits."""
+    info = job_setup()
+    res: dict[str, Any] = {"info": info, "paths": {}}
+    for name in UPSTREAM_PATHS:
+        res["paths"][name] = _micro_upstream_path(cfg, name)
+        gc.collect()
+    return res
+
+
+def _micro_upstream_path(cfg: dict, name: str) -> dict[str, Any]:
+    from multiprocessing import Manager
+
+    from monai.data import CacheDataset
+
+    spec = PATHS[name]
+    reps, fill_n, warmup = cfg["reps"], cfg["fill_n"], 2
+    compute, _ = compute_times(cfg, spec["numpy"], cfg["compute_n"])
+    tr, first_random = transforms(cfg["roi"], spec["numpy"])
+
+    # upstream 1.6.1 makes a Manager().list() for runtime_cache="process"
+    ds = CacheDataset(inputs(cfg, fill_n), tr, runtime_cache="process", copy_cache=spec["copy_cache"], progress=False)
+    fill = []
+    for i in range(fill_n):
+        start = time.perf_counter()
+        hit(ds, i)
+        fill.append(time.perf_counter() - start)
+
+    item = tr(inputs(cfg, 1)[0], end=first_random)
+    arrays = item_arrays(item)
+    manager = Manager()
+    lst: Any = manager.list([None])
+    write, plain = [], []
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    for _ in range(cfg["compute_n"] + 2):
+        # a fresh copy each time: sending a tensor moves its storage to shared memory, once
+        fresh = dict(item)
+        for key in ("image", "label"):
+            fresh[key] = item[key].clone() if hasattr(item[key], "clone") else item[key].copy()
+        start = time.perf_counter()
+        lst[0] = fresh
+        write.append(time.perf_counter() - start)
+        del fresh
+        plain.append(plain_write(shm, arrays))
+    lst[0] = None
+    manager.shutdown()
+    del item, arrays
+
+    counter = DeepcopyCounter()
+    hits, faults = [], 0
+    for r in range(warmup + reps):
+        f0 = minflt()
+        start = time.perf_counter()
+        hit(ds)
+        elapsed = time.perf_counter() - start
+        if r >= warmup:
+            hits.append(elapsed)
+            faults += minflt() - f0
+    counter.restore()
+    manager_of_ds = getattr(ds._cache, "_manager", None)
+    del ds
+    if manager_of_ds is not None:
+        manager_of_ds.shutdown()
+    return {
+        "compute_s": compute,
+        "fill_s": fill,
+        "write_s": write,
+        "plain_write_s": plain,
+        "hit_s": hits,
+        "minflt_per_hit": faults / reps,
+        "deepcopies_per_hit": counter.count / reps,
+    }

@@ -1,0 +1,240 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+The report: the printed text and ``results.md`` / ``results.json`` (tables, the runs' spread, the kernel's floor of a
+first read, the many-items test, the breakdown of a hit, the huge-page settings, other sections' lines, the targets).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench_common import ALL_PATHS, MIB
+from bench_machine import hugepage_lines
+from bench_summary import fork_runs
+from bench_tables import fmt, md_table, plain_table, tables
+
+
+def small_lines(raw: dict[str, Any]) -> list[str]:
+    if "small" not in raw:
+        return []
+    small = raw["small"]
+    if not small or isinstance(small.get("error"), str):
+        return [f"small items: job error: {small.get('error', 'not run')}"]
+    lines = [f"small-item job: RLIMIT_NOFILE soft limit {small['nofile_limit'][0]}"]
+    for key in ("small", "mapped"):
+        s = small[key]
+        if s.get("error"):
+            lines.append(f"  {s['n']:,} x {s['item_bytes'] // 1024} KiB: ERROR {s['error']}")
+            continue
+        lines.append(
+            f"  {s['n']:,} x {s['item_bytes'] // 1024} KiB items: fill {s['fill_s']:.1f} s, "
+            f"median hit of the first 1,000 {s['hit_first_s'] * 1e6:.0f} us, of the last 1,000 "
+            f"{s['hit_last_s'] * 1e6:.0f} us (ratio {s['hit_last_s'] / s['hit_first_s']:.2f}; in the sequential pass "
+            f"{s['seq_hit_first_s'] * 1e6:.0f} -> {s['seq_hit_last_s'] * 1e6:.0f} us, fill "
+            f"{s['fill_first_s'] * 1e6:.0f} -> {s['fill_last_s'] * 1e6:.0f} us), all kept alive: "
+            f"{s['open_fds_with_items_alive']} "
+            f"open fds, values correct: {s['correct']}, warnings: {len(s['warnings'])}"
+        )
+    return lines
+
+
+def breakdown_lines(raw: dict[str, Any]) -> list[str]:
+    b = raw.get("micro_fork", {}).get("breakdown")
+    if not b:
+        return []
+    lines = ["hit breakdown (median ms; minor page faults; first run):"]
+    for path, steps in b.items():
+        parts = [f"{k} {v * 1e3:.3f}" for k, v in steps.items() if not k.endswith("faults")]
+        faults = [f"{k.replace(' faults', '')} {v:.0f}" for k, v in steps.items() if k.endswith("faults")]
+        lines.append(f"  {path}: " + ", ".join(parts))
+        lines.append(f"  {'':{len(path)}}  faults: " + ", ".join(faults))
+    return lines
+
+
+def runs_lines(summary: dict[str, Any]) -> list[str]:
+    """The ratios to the floor of each run of the hits section, with their median and spread."""
+    runs = summary.get("runs", {})
+    series = runs.get("series") or {}
+    if not series:
+        return []
+    if runs["n"] == 1:
+        lines = ["hits section: 1 run; ratio to the floor"]
+    else:
+        lines = [
+            f"hits section: {runs['n']} runs, each in a fresh subprocess; ratio to the floor of the same run: "
+            "median (min..max): each run"
+        ]
+    width = max(len(label) for label in series)
+    for label, s in series.items():
+        if len(s["values"]) == 1:
+            lines.append(f"  {label:{width}}  {s['median']:.2f}")
+            continue
+        each = ", ".join(f"{v:.2f}" for v in s["values"])
+        lines.append(f"  {label:{width}}  {s['median']:.2f} ({s['min']:.2f}..{s['max']:.2f}): {each}")
+    return lines
+
+
+def kernel_lines(summary: dict[str, Any]) -> list[str]:
+    """The kernel's floor of a first read (medians over the runs), next to the first read."""
+    lines: list[str] = []
+    for name in ("store", "store_root"):
+        p = summary["paths"].get(name, {})
+        if not any(k.startswith("kernel_") for k in p):
+            continue
+        if not lines:
+            lines.append(
+                "kernel floor of a first read (the store's item file; medians, ratio to the floor timed in between):"
+            )
+        short = ALL_PATHS[name]["short"]
+        if p.get("kernel_error"):
+            lines.append(f"  {short}: n/a ({p['kernel_error']})")
+            continue
+        touch, populate = p.get("kernel_touch_x_floor"), p.get("kernel_populate_x_floor")
+        pages = p.get("kernel_crop_pages")
+        faults = p.get("kernel_touch_minflt")
+        touch_text = (
+            f"{(p.get('kernel_touch_s') or 0) * 1e3:.2f} ms = {touch:.2f}x floor "
+            f"({fmt(pages, ',.0f')} pages of the crop, {fmt(faults, '.0f')} faults)"
+            if touch is not None
+            else f"n/a ({p.get('kernel_touch_error')})"
+        )
+        populate_text = (
+            f"{(p.get('kernel_populate_s') or 0) * 1e3:.2f} ms = {populate:.2f}x floor"
+            if populate is not None
+            else f"n/a ({p.get('kernel_populate_error')})"
+        )
+        lines.append(f"  {short}: open + mmap + touch the crop's pages + munmap: {touch_text}")
+        lines.append(
+            f"  {' ' * len(short)}  open + mmap + MADV_POPULATE_READ of the whole item + munmap: {populate_text}"
+        )
+        if touch is not None and "first_read_x_floor" in p:
+            lines.append(
+                f"  {' ' * len(short)}  first read {p['first_read_x_floor']:.2f}x floor; floor + touch = "
+                f"{1 + touch:.2f}x: the least a first read through a fresh mapping can cost"
+            )
+    return lines
+
+
+def notes(summary: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """Informative ratios that are not targets."""
+    lines = []
+    if cfg["shape"] != [240, 240, 155]:
+        lines.append(
+            "NOTE  items smaller than 4x240x240x155: the copies the store avoids are cheap, so the speed-up targets "
+            "(calibrated for the full-size item) may fail; judge the targets on a full run"
+        )
+    p = summary["paths"].get("store_root", {})
+    if "first_read_x_floor" in p:
+        lines.append(
+            f"INFO  {ALL_PATHS['store_root']['short']}: first read of an item in a process (new file, nothing kept "
+            f"from earlier reads) vs floor: {p['first_read_x_floor']:.2f}x ({p['first_read_minflt']:.0f} page faults)"
+        )
+    return lines
+
+
+def header_lines(
+    cfg: dict[str, Any], machine: dict[str, Any], raw: dict[str, Any], summary: dict[str, Any]
+) -> list[str]:
+    one_copy = next((p["one_copy_bytes"] for p in summary["paths"].values() if "one_copy_bytes" in p), 0)
+    shape = "x".join(str(s) for s in [4, *cfg["shape"]])
+    roi = "x".join(str(s) for s in cfg["roi"])
+    item_mib = (summary["item_nbytes"] or 0) / MIB
+    versions = {k: v.get("info", {}).get("monai_version") for k, v in raw.items() if isinstance(v, dict)}
+    runs = fork_runs(raw)
+    sha = runs[0].get("info", {}).get("cache_store_sha256", "n/a") if runs else "n/a"
+    loader = (
+        f"2 workers, K={cfg['items']} items, batch 1, one copy = {one_copy / MIB:.0f} MiB" if one_copy else "not run"
+    )
+    return [
+        f"item: image {shape} float32 + label 1x{'x'.join(map(str, cfg['shape']))} uint8 MetaTensors "
+        f"({item_mib:.1f} MiB), random crop {roi} + torch.stack copy; {cfg['reps']} timed hits per path; "
+        f"DataLoader: {loader}; sections: {','.join(cfg['sections'])}; hits runs: {cfg['runs']}",
+        f"machine: {machine['cpus']} cores, {machine['mem_total_gib']} GiB, shared with other jobs "
+        f"(load average {machine['loadavg'][0]} at start, {machine['loadavg_end'][0]} at end); "
+        f"monai {versions.get('micro_fork')} (fork) vs {versions.get('micro_upstream', 'n/a')} (upstream); "
+        f"fork cache_store.py sha256 {sha}",
+    ]
+
+
+def _measured(rows: list[list[str]]) -> bool:
+    return any(len(r) > 1 and r[1] != "skipped/error" for r in rows)
+
+
+def _sections(
+    raw: dict[str, Any], summary: dict[str, Any], extra: dict[str, list[str]]
+) -> list[tuple[str, str, list[str]]]:
+    """The report's parts: (markdown title, plain-text title, lines); a part without lines is left out."""
+    head1, rows1, head2, rows2 = tables(summary)
+    return [
+        (
+            "Per hit and fill",
+            "per hit (read + crop + collate copy, median over the runs) and fill (first compute + store of one item)",
+            [plain_table(head1, rows1)] if _measured(rows1) else [],
+        ),
+        ("Runs of the hits section", "", runs_lines(summary)),
+        ("Kernel floor of a first read", "", kernel_lines(summary)),
+        (
+            "DataLoader epochs and memory",
+            "DataLoader, 2 workers: epochs (persistent workers); memory of main + children during a warm epoch "
+            "(median)",
+            [plain_table(head2, rows2)] if _measured(rows2) else [],
+        ),
+        ("Many small items", "", small_lines(raw)),
+        ("Hit breakdown", "", breakdown_lines(raw)),
+        *[(title, "", lines) for title, lines in extra.items()],
+    ]
+
+
+def write(
+    out_dir: Path,
+    command: str,
+    cfg: dict[str, Any],
+    machine: dict[str, Any],
+    raw: dict[str, Any],
+    summary: dict[str, Any],
+    extra: dict[str, list[str]],
+    elapsed: float,
+) -> str:
+    """Write ``results.md`` and ``results.json`` to ``out_dir``; return the text to print. ``extra``: more parts
+    (title: lines), e.g. the ddp section's."""
+    header = header_lines(cfg, machine, raw, summary)
+    huge = hugepage_lines(machine.get("hugepages", {}))
+    head1, rows1, head2, rows2 = tables(summary)
+    parts = _sections(raw, summary, extra)
+    target_lines = [f"  {c['line']}" for c in summary["checks"]] + [f"  {x}" for x in notes(summary, cfg)]
+    text = [*header, *huge]
+    for _, title, lines in parts:
+        if lines:
+            text += ["", *([title] if title else []), *lines]
+    text += ["", "TARGETS (ratios measured in this run):", *target_lines, f"\ntotal time {elapsed:.0f} s"]
+
+    md = ["# CacheDataset runtime cache benchmark", "", f"`{command.strip()}`", "", *[f"- {h}" for h in header]]
+    md += ["", "## Kernel huge pages (shmem)", "", *[f"    {line}" for line in huge]]
+    for title, _, lines in parts:
+        if not lines:
+            continue
+        md += ["", f"## {title}", ""]
+        if title == "Per hit and fill":
+            md.append(md_table(head1, rows1))
+        elif title == "DataLoader epochs and memory":
+            md.append(md_table(head2, rows2))
+        else:
+            md += [f"    {line}" for line in lines]
+    md += ["", "## Targets", "", *[f"- **{c['status']}** {c['line'][6:]}" for c in summary["checks"]]]
+    md += [f"- {line}" for line in notes(summary, cfg)]
+    md += ["", f"Total time {elapsed:.0f} s.", ""]
+    (out_dir / "results.md").write_text("\n".join(md))
+    report = {"config": cfg, "machine": machine, "summary": summary, "raw": raw, "elapsed_s": elapsed}
+    (out_dir / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    return "\n".join(text)
