@@ -62,7 +62,7 @@ def _runs_panel(ax: Any, summary: dict[str, Any]) -> None:
     ax.set_xlabel("run of the hits section")
     ax.set_ylabel("ratio to the floor (private no-copy hit)")
     ax.set_title("store hit and first read, per run")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="best")
 
 
 def _hits_panel(ax: Any, summary: dict[str, Any], names: list[str]) -> None:
