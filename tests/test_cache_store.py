@@ -37,6 +37,7 @@ from parameterized import parameterized
 import monai
 import monai.data.cache_coord as cache_coord
 import monai.data.cache_mapping as cache_mapping
+import monai.data.cache_pages as cache_pages
 from monai.data.cache_store import MISS, SharedCacheStore
 from monai.data.meta_tensor import MetaTensor
 
@@ -567,6 +568,47 @@ class TestZeroCopy(_TempRootMixin):
 
     @skip_unless_linux
     @skip_unless_mapping_pool
+    def test_watched_mapping_takes_no_fault_and_a_written_one_goes(self) -> None:
+        """A mapping reused once is populated and write-watched: hits without page faults; a write still unmaps it."""
+        import resource
+
+        def faults_of_full_read() -> int:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t = store.get(0, "k")
+            total = int(t.sum())
+            after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            self.assertEqual(total, n * (n - 1) // 2)
+            del t
+            gc.collect()
+            return after - before
+
+        store = self.new_store()
+        n = 1 << 22  # 32 MiB of int64: 8,192 pages
+        store.put(0, "k", torch.arange(n))
+        item = os.path.join(store.path, "k.item")
+        fresh = faults_of_full_read()
+        for _ in range(2):  # kept after the first read, watched after the first reuse
+            faults_of_full_read()
+        states = [entry[3] for entry in cache_mapping._POOL._order if entry[0][0] == item]
+        if states != [cache_pages._WATCHED]:
+            self.skipTest(f"the kernel refused the write watch (userfaultfd or PAGEMAP_SCAN): states {states}")
+        self.assertGreater(fresh, 20)  # a fresh mapping faults (fault-around maps up to a folio at a time)
+        self.assertLess(faults_of_full_read(), min(10, fresh // 2))  # a watched one: every page is in, no fault
+        t = store.get(0, "k")
+        address = t.data_ptr()
+        t[n - 1] = -7  # written: this mapping must never be handed to another reader
+        del t
+        gc.collect()
+        self.assertEqual(self._mapped_files(address), [])
+        t = store.get(0, "k")
+        self.assertTrue(torch.equal(t, torch.arange(n)))
+        t[3] = 0  # the first page written of a fresh mapping is caught by the category check too
+        del t
+        gc.collect()
+        self.assertGreater(faults_of_full_read(), 20)  # unmapped again: a fresh mapping
+
+    @skip_unless_linux
+    @skip_unless_mapping_pool
     def test_release_from_garbage_collection_never_deadlocks(self) -> None:
         """A collection that frees a mapped item inside the pool's critical section must not wait for the pool."""
         code = textwrap.dedent(f"""
@@ -624,10 +666,10 @@ class TestZeroCopy(_TempRootMixin):
         def update() -> None:
             with pool._lock:
                 # torn state, as in the middle of _process: a mapping in the free list, not yet in the eviction order
-                pool._free.setdefault(ident, []).append((4096, 4096))
+                pool._free.setdefault(ident, []).append((4096, 4096, 1))
                 locked.set()
                 release.wait(TIMEOUT)
-                pool._free[ident].remove((4096, 4096))
+                pool._free[ident].remove((4096, 4096, 1))
 
         thread = threading.Thread(target=update)
         thread.start()

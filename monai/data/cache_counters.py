@@ -27,7 +27,6 @@ all slots are taken, a process counts for itself only.
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 import struct
@@ -36,6 +35,11 @@ from typing import Any
 
 import numpy as np
 
+try:
+    import fcntl
+except ImportError:  # Windows: no locks, each process counts for itself
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ["COMPUTED", "FIELDS", "HITS", "MISSES", "REFUSED", "Counters"]
 
 FIELDS = ("hits", "misses", "computed", "refused")
@@ -43,15 +47,15 @@ HITS, MISSES, COMPUTED, REFUSED = range(len(FIELDS))
 _SLOT = 64  # bytes per slot: one cache line, room for 8 counters
 _SLOTS = 4096  # processes that can count at once (a sparse file of 256 KiB)
 _FILE = ".counters"
-_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", None)
+_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", None) if fcntl is not None else None
 
 
 def _lock_range(fd: int, start: int) -> bool:
     """Take a write lock on ``[start, start + _SLOT)`` of ``fd``'s open file description, without waiting."""
     # struct flock: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid (0 for OFD locks)
-    arg = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, start, _SLOT, 0)
+    arg = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, start, _SLOT, 0)  # type: ignore[union-attr]
     try:
-        fcntl.fcntl(fd, _OFD_SETLK, arg)  # type: ignore[arg-type]
+        fcntl.fcntl(fd, _OFD_SETLK, arg)  # type: ignore[union-attr,arg-type]
     except OSError:
         return False
     return True

@@ -23,10 +23,12 @@ Reading:
 
     Every :py:meth:`~monai.data.SharedCacheStore.get` returns a new object graph over its own private mapping, so a
     caller may modify an item in place (as random transforms do) without affecting the cache or any other reader. When
-    all views of a mapping are gone and none of its pages was written (checked in ``/proc/self/pagemap``), the process
-    keeps the mapping, with its page tables, for the next read of the same unchanged file: repeated hits of an item then
-    cost no new page faults and no ``munmap``. A written mapping is always unmapped. ``reads_are_private`` is therefore
-    ``True``, and ``CacheDataset`` skips its deepcopy of cached items.
+    all views of a mapping are gone and none of its pages was written (checked in the page tables, see
+    :py:func:`_keep`), the process keeps the mapping, with its page tables, for the next read of the same unchanged
+    file: repeated hits of an item then cost no new page faults and no ``munmap``. A mapping reused once is populated
+    and write-watched, so that later hits take no fault and the check costs one system call. A written mapping is
+    always unmapped. ``reads_are_private`` is therefore ``True``, and ``CacheDataset`` skips its deepcopy of cached
+    items.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any, cast
 import numpy as np
 
 from monai.data.cache_format import _ALIGN, _SMALL_FILE
+from monai.data.cache_pages import _UNMAP, _WATCH, _keep
 
 _O_BINARY = getattr(os, "O_BINARY", 0)  # Windows: no newline translation
 
@@ -68,6 +71,9 @@ def _libc() -> Any:
                 ]
                 libc.munmap.restype = ctypes.c_int
                 libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+                libc.madvise.restype = ctypes.c_int
+                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                libc.syscall.restype = ctypes.c_long
                 _LIBC = libc
             except (OSError, AttributeError):
                 _LIBC = None
@@ -80,7 +86,7 @@ class _MappingPool:
 
     A fresh mapping costs a page fault for every page a reader touches, and an ``munmap`` at the end; for a random
     crop of a large image that is most of a hit's cost. A mapping whose views are all gone, and whose pages were
-    never written (no copy-on-write page in ``/proc/self/pagemap``), still holds exactly the file's content, so the
+    never written (no copy-on-write page in its page tables), still holds exactly the file's content, so the
     next read of the same file (same path, device, inode, size and modification time) reuses it: no new faults, no
     unmap. A written mapping, or one that cannot be checked (no pagemap), is unmapped as before, so every reader
     still gets a private, pristine copy. The pool is per process and bounded. Kept mappings of files removed or
@@ -97,26 +103,27 @@ class _MappingPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: dict[tuple, list[tuple[int, int]]] = {}
-        self._order: list[tuple[tuple, int, int]] = []  # oldest first, for eviction
+        self._free: dict[tuple, list[tuple[int, int, int]]] = {}  # (addr, size, state)
+        self._order: list[tuple[tuple, int, int, int]] = []  # oldest first, for eviction
         self._queue: deque = deque()  # ("release", libc, ident, addr, size) or ("purge", path prefix)
         self._libc: Any = None
 
-    def take(self, ident: tuple) -> int | None:
-        """A kept mapping of the file ``ident``, or None."""
+    def take(self, ident: tuple) -> tuple[int, int] | None:
+        """A kept mapping of the file ``ident`` and its state (see :py:func:`_keep`), or None."""
         with self._lock:  # never called from a finalizer; a finalizer run in here only queues
             free = self._free.get(ident)
-            addr = None
+            found = None
             if free:
-                addr, size = free.pop()
-                self._order.remove((ident, addr, size))
+                addr, size, state = free.pop()
+                self._order.remove((ident, addr, size, state))
+                found = addr, state
         self.drain()
-        return addr
+        return found
 
-    def release(self, libc: Any, ident: tuple | None, addr: int, size: int) -> None:
+    def release(self, libc: Any, ident: tuple | None, addr: int, size: int, state: int) -> None:
         """Keep an unwritten mapping of a file that still exists for reuse; unmap anything else. Never blocks."""
         self._libc = libc
-        self._queue.append(("release", libc, ident, addr, size))
+        self._queue.append(("release", libc, ident, addr, size, state))
         self.drain()
 
     def purge(self, prefix: str) -> None:
@@ -137,12 +144,13 @@ class _MappingPool:
     def _process(self, job: tuple) -> None:
         unmap: list[tuple[int, int]] = []
         if job[0] == "release":
-            _, libc, ident, addr, size = job
-            if ident is None or not _is_current(ident) or not _pristine(addr, size):
+            _, libc, ident, addr, size, state = job
+            state = _keep(libc, addr, size, state) if ident is not None and _is_current(ident) else _UNMAP
+            if state == _UNMAP:
                 unmap.append((addr, size))
             else:
-                self._free.setdefault(ident, []).append((addr, size))
-                self._order.append((ident, addr, size))
+                self._free.setdefault(ident, []).append((addr, size, state))
+                self._order.append((ident, addr, size, state))
             stale = [entry for entry in self._order if not _is_current(entry[0])]
         else:
             prefix = job[1]
@@ -152,7 +160,7 @@ class _MappingPool:
         for entry in self._order:
             if entry not in keep:
                 self._free[entry[0]].remove(entry[1:])
-                unmap.append(entry[1:])
+                unmap.append(entry[1:3])
         self._order = keep
         for addr, size in unmap:
             self._libc.munmap(addr, size)
@@ -169,6 +177,7 @@ class _MappingPool:
         self._free = {}
         self._order = []
         self._queue = deque()
+        _WATCH.after_fork_in_child()
 
 
 _POOL = _MappingPool()
@@ -187,37 +196,16 @@ def _is_current(ident: tuple) -> bool:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (dev, ino, size, mtime)
 
 
-def _pristine(addr: int, size: int) -> bool:
-    """Whether no page of the private mapping ``[addr, addr+size)`` was written (Linux pagemap); False if unknown."""
-    first, count = addr // _PAGE, (size + _PAGE - 1) // _PAGE
-    try:
-        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        data = os.pread(fd, count * 8, first * 8)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    if len(data) != count * 8:
-        return False
-    entries = np.frombuffer(data, dtype=np.uint64)
-    present_or_swapped = (entries >> np.uint64(62)) != 0  # bit 63 present, bit 62 swapped
-    file_page = ((entries >> np.uint64(61)) & np.uint64(1)) != 0  # bit 61: page of the file, not a private copy
-    return not bool(np.any(present_or_swapped & ~file_page))
-
-
 class _PrivateMapping:
     """Owner of a ``MAP_PRIVATE`` file mapping made through libc; recycled or unmapped when its last view is gone."""
 
-    def __init__(self, libc: Any, addr: int, size: int, ident: tuple | None) -> None:
-        self._libc, self._addr, self._size, self._ident = libc, addr, size, ident
+    def __init__(self, libc: Any, addr: int, size: int, ident: tuple | None, state: int) -> None:
+        self._libc, self._addr, self._size, self._ident, self._state = libc, addr, size, ident, state
         self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (addr, False), "version": 3}
 
     def __del__(self) -> None:
         try:
-            _POOL.release(self._libc, self._ident, self._addr, self._size)
+            _POOL.release(self._libc, self._ident, self._addr, self._size, self._state)
         except Exception:
             pass
 
@@ -236,14 +224,15 @@ def _map_private(fd: int, size: int, ident: tuple | None = None) -> memoryview:
         return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
     if size < _POOL.MIN_SIZE:
         ident = None  # not pooled: unmapped with its last view
-    addr = _POOL.take(ident) if ident is not None else None
-    if addr is None:
+    found = _POOL.take(ident) if ident is not None else None
+    if found is None:
         prot = mmap.PROT_READ | mmap.PROT_WRITE  # type: ignore[attr-defined]
         addr = libc.mmap(None, size, prot, mmap.MAP_PRIVATE, fd, 0)  # type: ignore[attr-defined]
         if addr is None or addr == ctypes.c_void_p(-1).value:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
-    return memoryview(cast(Any, np.asarray(_PrivateMapping(libc, addr, size, ident))))
+        found = addr, 0
+    return memoryview(cast(Any, np.asarray(_PrivateMapping(libc, found[0], size, ident, found[1]))))
 
 
 def _read_small(fd: int, size: int) -> memoryview:
