@@ -38,6 +38,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from collections import deque
 from typing import Any, cast
 
@@ -90,8 +91,8 @@ class _MappingPool:
     next read of the same file (same path, device, inode, size and modification time) reuses it: no new faults, no
     unmap. A written mapping, or one that cannot be checked (no pagemap), is unmapped as before, so every reader
     still gets a private, pristine copy. The pool is per process and bounded. Kept mappings of files removed or
-    replaced since are dropped at the next release or read, and at once when their store is closed or invalidated
-    in this process, so that they do not pin the removed files' pages.
+    replaced since are dropped at a release (checked at most once a second: a ``stat`` per kept mapping), and at
+    once when their store is closed or invalidated in this process, so that they do not pin the removed files' pages.
 
     Releases come from ``__del__``, which the garbage collector may run anywhere, even inside this pool's own
     critical section: they are only queued (a thread-safe ``deque``), and whoever gets the lock without waiting
@@ -99,13 +100,15 @@ class _MappingPool:
     """
 
     MAX_MAPPINGS = 32
+    SWEEP_EVERY = 1.0  # seconds between two checks that the kept mappings' files are still there
     MIN_SIZE = 8 << 20  # smaller mappings are cheaper to make again than to check in the pagemap
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[tuple, list[tuple[int, int, int]]] = {}  # (addr, size, state)
         self._order: list[tuple[tuple, int, int, int]] = []  # oldest first, for eviction
-        self._queue: deque = deque()  # ("release", libc, ident, addr, size) or ("purge", path prefix)
+        self._queue: deque = deque()  # ("release", libc, ident, addr, size, state) or ("purge", path prefix)
+        self._swept = 0.0
         self._libc: Any = None
 
     def take(self, ident: tuple) -> tuple[int, int] | None:
@@ -151,7 +154,10 @@ class _MappingPool:
             else:
                 self._free.setdefault(ident, []).append((addr, size, state))
                 self._order.append((ident, addr, size, state))
-            stale = [entry for entry in self._order if not _is_current(entry[0])]
+            stale = []
+            if time.monotonic() - self._swept >= self.SWEEP_EVERY:  # a stat per kept mapping: not at every release
+                self._swept = time.monotonic()
+                stale = [entry for entry in self._order if not _is_current(entry[0])]
         else:
             prefix = job[1]
             stale = [entry for entry in self._order if entry[0][0].startswith(prefix)]

@@ -57,19 +57,38 @@ def _scan(addr: int, size: int, inverted: int, mask: int, anyof: int) -> bool | 
     region = ctypes.create_string_buffer(24)  # one struct page_region: start, end, categories
     vec = ctypes.addressof(region)
     arg = bytearray(_SCAN_ARG.pack(_SCAN_ARG.size, 0, addr, addr + size, 0, vec, 1, 1, inverted, mask, anyof, mask))
-    try:
-        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
-    except OSError:
+    fd = _pagemap()
+    if fd is None:
         return None
     try:
         found = fcntl.ioctl(fd, _PAGEMAP_SCAN, arg)
     except OSError:
         _scan_works = False  # ENOTTY or EINVAL: a kernel older than 6.7
         return None
-    finally:
-        os.close(fd)
     _scan_works = True
     return bool(found > 0)
+
+
+_PAGEMAP: list[int] = [-1, -1]  # this process's descriptor of /proc/self/pagemap, and its pid
+
+
+def _pagemap() -> int | None:
+    """A descriptor of this process's pagemap, kept open; a forked child opens its own (the parent's is of the
+    parent's memory)."""
+    fd, pid = _PAGEMAP
+    if pid == os.getpid():
+        return fd
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    try:
+        _PAGEMAP[:] = [os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC), os.getpid()]
+    except OSError:
+        _PAGEMAP[:] = [-1, -1]
+        return None
+    return _PAGEMAP[0]
 
 
 class _WriteWatch:
