@@ -21,7 +21,7 @@ timeout each, in their own process group, which is killed on timeout:
 
 - the single-process ones with ``python <recipe>``; ``mp_spawn.py`` and ``bring_your_own_listproxy.py`` start their
   ranks themselves with ``torch.multiprocessing.spawn``;
-- ``torchrun_one_node.py`` with ``python -m torch.distributed.run --standalone --nproc_per_node=2``;
+- ``torchrun_one_node.py`` and ``fill_before_training.py`` with ``python -m torch.distributed.run --standalone --nproc_per_node=2``;
 - ``multi_node.py`` as two nodes on this machine: two ``torch.distributed.run --nnodes=2 --node_rank=<n>`` launches
   of one rank each, told apart by ``MONAI_CACHE_NODE_ID=node<n>``.
 
@@ -88,6 +88,11 @@ def recipes() -> list[Recipe]:
         Recipe(
             "torchrun_one_node",
             [([*TORCHRUN, "--standalone", "--nproc_per_node=2", str(RECIPES / "torchrun_one_node.py")], {})],
+            3,
+        ),
+        Recipe(
+            "fill_before_training",
+            [([*TORCHRUN, "--standalone", "--nproc_per_node=2", str(RECIPES / "fill_before_training.py")], {})],
             3,
         ),
     ]
