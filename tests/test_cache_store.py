@@ -36,6 +36,7 @@ from parameterized import parameterized
 
 import monai
 import monai.data.cache_coord as cache_coord
+import monai.data.cache_counters as cache_counters
 import monai.data.cache_mapping as cache_mapping
 import monai.data.cache_pages as cache_pages
 from monai.data.cache_store import MISS, SharedCacheStore
@@ -414,6 +415,15 @@ def _child_read_after_fork(path: str) -> None:
             raise AssertionError("wrong item")
         del t
         gc.collect()  # releases the mapping into the pool
+
+
+def _child_count_and_die(path: str, hits: int) -> None:
+    """Read the item ``k`` ``hits`` times and compute ``c``, then die without any cleanup (SIGKILL)."""
+    store = SharedCacheStore(path, participate=False)
+    for _ in range(hits):
+        store.get_or_compute(0, "k", lambda: -1)
+    store.get_or_compute(1, "c", lambda: 7)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _child_stats(path: str, conn: Any) -> None:
@@ -1305,6 +1315,26 @@ class TestPickleAndStats(_TempRootMixin):
             self.assertFalse(copy.put(0, "k", 1))
             self.assertEqual(copy.get_or_compute(0, "k", lambda: 2), 2)
         self.assertEqual(len(_runtime_warnings(caught)), 1)
+
+    @skip_unless_linux
+    def test_counts_of_dead_processes_are_kept_in_a_fixed_file(self) -> None:
+        """Processes killed without cleanup keep their counts; their slots are reused, so the file never grows."""
+        patcher = mock.patch.object(cache_counters, "_SLOTS", 2)  # this process and one more: each child reuses it
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        store = self.new_store()
+        store.put(0, "k", torch.zeros(10))
+        self.assertEqual(store.get_or_compute(0, "k", lambda: -1).sum(), 0)
+        counters = os.path.join(store.path, ".counters")
+        size = os.path.getsize(counters)
+        for i in range(5):
+            self.assertEqual(_run(_child_count_and_die, store.path, i + 1), -signal.SIGKILL)
+            store.invalidate(["c"], [])  # so that the next child computes it again
+        self.assertEqual(os.path.getsize(counters), size)
+        stats = store.stats()
+        self.assertEqual({k: stats[k] for k in ("hits", "misses", "computed", "refused")},
+                         {"hits": 1 + 15, "misses": 5, "computed": 5, "refused": 0})  # fmt: skip
+        self.assertEqual(store.process_stats(), {"hits": 1, "misses": 0, "computed": 0, "refused": 0})
 
     @skip_unless_linux
     def test_stats_len_and_invalidate(self) -> None:

@@ -92,37 +92,17 @@ def check_item(test: unittest.TestCase, item: dict, src, added: float = 1.0) -> 
     test.assertTrue(torch.equal(torch.as_tensor(item["img"]), expected), f"wrong image for {src}: {item['img']}")
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants (DataLoader workers of a rank), so that nothing outlives a test."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    todo, found = [pid], []
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo.extend(children.get(p, []))
-    for p in found:
-        try:
-            os.kill(p, 9)
-        except OSError:
-            pass
-
-
 def run_ranks(test: unittest.TestCase, fn, args: tuple, nprocs: int = 2) -> None:
-    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; fail, killing them and their workers, past the timeout."""
+    """
+    Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; fail, killing them, past the timeout. Their DataLoader
+    workers exit by themselves within seconds (PyTorch's workers watch for the death of their parent).
+    """
     ctx = torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + 2 * TIMEOUT
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
-                kill_tree(p.pid)
+                p.kill()
             test.fail("distributed workers timed out")
 
 
