@@ -9,41 +9,57 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-DDP training with one runtime cache per node, shared by all ranks and their DataLoader workers.
+DDP training with upstream MONAI's default cache (every rank caches every item) against one runtime cache per node,
+shared by all ranks and their DataLoader workers.
 
-Run on one machine (CPU with gloo, or GPUs with nccl)::
+Run on one machine (CPU with gloo, or GPUs with nccl), from the repository after ``pip install .``::
 
     torchrun --nproc_per_node=2 examples/shared_cache_ddp.py
 
-The script trains a small 3D UNet with ``DistributedDataParallel`` twice on the same synthetic NIfTI dataset (made
-on first use, by rank 0 only, in ``examples/data``), with a real MONAI pipeline: ``LoadImaged``,
-``EnsureChannelFirstd``, ``Spacingd`` and ``ScaleIntensityd`` (deterministic, so cached) then
-``RandCropByPosNegLabeld`` (random, run at every epoch). Each DataLoader uses a ``DistributedSampler`` and worker
-processes.
+The script trains a small 3D UNet with ``DistributedDataParallel`` three times on the same synthetic NIfTI dataset
+(made on first use, by rank 0 only, in ``examples/data``; items of about 66 MiB once cached), with a real MONAI
+pipeline: ``LoadImaged``, ``EnsureChannelFirstd``, ``Spacingd`` and ``ScaleIntensityd`` (deterministic, so cached)
+then ``RandCropByPosNegLabeld`` (random, run at every epoch). Each DataLoader uses a ``DistributedSampler`` and
+worker processes.
 
-1. ``per-rank``: ``CacheDataset(..., runtime_cache="process")`` on every rank. Each rank has its own store, shared
-   only with its own workers, so every rank computes and holds (in ``/dev/shm``) each item it meets.
-2. ``shared``: ``CacheDataset(..., runtime_cache=create_shared_cache())``. ``create_shared_cache`` is the one
-   explicit *collective* call (every rank calls it once); the ranks of the node then share one store, so every item
-   is computed once per node and held once, whichever rank or worker meets it first.
+1. ``upstream default``: ``CacheDataset(..., runtime_cache=False, copy_cache=True)``, upstream's code: the
+   constructor of every rank computes and holds every item, and each worker deep-copies the item it reads.
+2. ``shared, lazy``: ``CacheDataset(..., runtime_cache=create_shared_cache())``. ``create_shared_cache`` is the one
+   explicit *collective* call (every rank calls it once); the ranks of the node then share one store in
+   ``/dev/shm``, so every item is computed once per node, in the first epoch, by whichever rank or worker meets it
+   first, and held once.
+3. ``shared + fill()``: the same, and ``ds.fill()`` before training: the ranks compute their shares of the items
+   (no collective call) and each returns when the node's cache is full.
 
-For each run it prints the time of every epoch, how many times the deterministic transforms ran (counted by a
-small transform at the head of the deterministic chain), the total proportional set size (PSS, from
-``/proc/<pid>/smaps_rollup``) of all ranks and their DataLoader workers, measured at the last batch of every epoch
-while the workers are alive, and the size of the cache in shared memory (which no process's PSS shows, since the
-cache files are only mapped while an item is being read). A plot of epoch times and memory is saved in
-``examples/output``.
+It prints, per variant, the setup (dataset construction, ``fill()``) and every epoch: the time, how many times the
+cached transforms ran in all processes (counted by a small transform at the end of the cached chain), the peak
+memory footprint of the whole job (``benchmarks/procmem.py``, sampled by a thread of rank 0 every 0.25 s: anonymous
+and shared memory of torchrun's agent, the ranks and their workers, the cache's files in ``/dev/shm`` included, each
+page once), and ``ds.cache_stats()`` of every rank. Then a summary table (the time to first batch counts from the
+start of the setup), ``shared_cache_ddp.json`` and a plot in ``examples/output``: footprint per phase, time to first
+batch and epoch times, upstream's default beside ours.
 
-Flags scale the run up: ``--num-items``, ``--size``, ``--epochs``, ``--workers`` (see ``--help``).
+What to expect (2 CPU ranks, 16 items): upstream's default computes every item once per rank and holds a copy per
+rank; the shared store computes each item once per node and holds it once, one copy of the data less. Lazily, the
+first batch comes soonest, but the first epoch computes the items in the 4 DataLoader workers at once: it is the
+longest epoch and has the highest peak. ``fill()`` computes them before training, one thread per rank
+(``--cache-threads``).
+The losses are identical: every variant trains on the same items.
+
+Flags scale the run: ``--num-items``, ``--size``, ``--epochs``, ``--workers`` (see ``--help``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
+import re
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,9 +68,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-from monai.data import CacheDataset, DataLoader, create_test_image_3d
-from monai.data.cache_store import SharedCacheStore
-from monai.data.shared_cache import create_shared_cache
+from monai.data import CacheDataset, DataLoader, create_shared_cache, create_test_image_3d
 from monai.losses import DiceLoss
 from monai.networks.nets import UNet
 from monai.transforms import (
@@ -68,25 +82,37 @@ from monai.transforms import (
 )
 from monai.utils import set_determinism
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+try:
+    import procmem  # the repository's memory sampler (standard library only)
+except ImportError:  # pragma: no cover - the example was copied out of the repository
+    procmem = None  # type: ignore[assignment]
+
 try:
     from tqdm import tqdm
 except ImportError:  # pragma: no cover
     tqdm = None
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = Path(__file__).resolve().parent
 MIB = 1024 * 1024
+VARIANTS = {
+    "upstream default": "CacheDataset(runtime_cache=False, copy_cache=True): each rank computes and holds every item",
+    "shared, lazy": "CacheDataset(runtime_cache=create_shared_cache()): one store per node, filled in epoch 1",
+    "shared + fill()": "the same, then ds.fill(): the ranks fill the node's store before training",
+}
 
 
-class CountExecutions(Transform):
+class CountComputations(Transform):
     """Deterministic pass-through that appends one line to ``log`` each time it runs (``O_APPEND`` is atomic)."""
 
     def __init__(self, log: str) -> None:
         self.log = log
 
     def __call__(self, data: dict) -> dict:
+        name = os.path.basename(str(getattr(data["image"], "meta", {}).get("filename_or_obj", "")))
         fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            os.write(fd, f"{os.path.basename(str(data['image']))} {os.getpid()}\n".encode())
+            os.write(fd, f"{name} {os.getpid()}\n".encode())
         finally:
             os.close(fd)
         return data
@@ -99,45 +125,13 @@ def count_lines(path: str) -> int:
         return sum(1 for line in f if line.strip())
 
 
-# -- memory: PSS of a process and all its descendants ------------------------------------------------------------------
-
-
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        ppid = int(data[data.rindex(b")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(name))
-    return children
-
-
-def _pss_bytes(pid: int) -> int:
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system, so that one variant's garbage is not in the next's footprint."""
+    gc.collect()
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
         pass
-    return 0
-
-
-def tree_pss(pid: int) -> tuple[int, int]:
-    """The summed PSS of ``pid`` and all its descendants (e.g. DataLoader workers), and how many processes."""
-    children = _children_map()
-    todo, total, count = [pid], 0, 0
-    while todo:
-        p = todo.pop()
-        total += _pss_bytes(p)
-        count += 1
-        todo.extend(children.get(p, []))
-    return total, count
 
 
 # -- data ------------------------------------------------------------------------------------------------------------
@@ -147,21 +141,20 @@ def make_data(data_dir: str, num_items: int, size: int, rank: int) -> list[dict[
     """Synthetic 3D images and labels as NIfTI files, written by rank 0 only; the other ranks wait at a barrier."""
     import nibabel as nib
 
+    folder = os.path.join(data_dir, f"{num_items}x{size}")
     files = [
-        {"image": os.path.join(data_dir, f"img{i:03d}.nii.gz"), "label": os.path.join(data_dir, f"seg{i:03d}.nii.gz")}
+        {"image": os.path.join(folder, f"img{i:03d}.nii.gz"), "label": os.path.join(folder, f"seg{i:03d}.nii.gz")}
         for i in range(num_items)
     ]
-    manifest = os.path.join(data_dir, f"manifest-{num_items}-{size}.json")
-    if rank == 0 and not os.path.exists(manifest):
-        os.makedirs(data_dir, exist_ok=True)
+    if rank == 0 and not os.path.exists(os.path.join(folder, "done.json")):
+        os.makedirs(folder, exist_ok=True)
         rs = np.random.RandomState(0)
         items = tqdm(files, desc="writing synthetic NIfTI") if tqdm is not None else files
         for item in items:
             im, seg = create_test_image_3d(size, size, size, num_seg_classes=1, rad_max=size // 6, random_state=rs)
-            affine = np.diag([1.0, 1.0, 1.0, 1.0])
-            nib.Nifti1Image(im.astype(np.float32), affine).to_filename(item["image"])
-            nib.Nifti1Image(seg.astype(np.uint8), affine).to_filename(item["label"])
-        with open(manifest, "w") as f:
+            nib.Nifti1Image(im.astype(np.float32), np.eye(4)).to_filename(item["image"])
+            nib.Nifti1Image(seg.astype(np.uint8), np.eye(4)).to_filename(item["label"])
+        with open(os.path.join(folder, "done.json"), "w") as f:
             json.dump({"num_items": num_items, "size": size}, f)
     dist.barrier()
     return files
@@ -171,127 +164,170 @@ def make_transform(log: str, crop: int) -> Compose:
     keys = ["image", "label"]
     return Compose(
         [
-            CountExecutions(log),  # deterministic: counted once per computed (cached) item
             LoadImaged(keys, image_only=True),
             EnsureChannelFirstd(keys),
             Spacingd(keys, pixdim=(1.25, 1.25, 1.25), mode=("bilinear", "nearest")),
             ScaleIntensityd("image"),
+            CountComputations(log),  # the last deterministic transform: counts every computed (cached) item
             # the first random transform: everything before it is cached, everything from it runs every epoch
-            RandCropByPosNegLabeld(
-                keys, label_key="label", spatial_size=(crop, crop, crop), pos=1, neg=1, num_samples=2
-            ),
+            RandCropByPosNegLabeld(keys, label_key="label", spatial_size=(crop,) * 3, pos=1, neg=1, num_samples=2),
         ]
     )
+
+
+# -- measuring -------------------------------------------------------------------------------------------------------
+
+
+class Phase:
+    """Rank 0 samples the footprint of the whole job (torchrun's agent and all below it) during one phase."""
+
+    def __init__(self, root: int, store_dir: str | None) -> None:
+        dirs = [store_dir] if store_dir else []
+        self.sampler = procmem.PeakSampler(root, store_dirs=dirs, interval=0.25).start() if procmem and root else None
+
+    def stop(self) -> int | None:
+        return self.sampler.stop()["footprint_bytes"] if self.sampler is not None else None
+
+
+def gather(obj: Any, world: int) -> list[Any]:
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def stats_lines(all_stats: list[dict[str, Any]]) -> list[str]:
+    """``ds.cache_stats()`` of every rank, two lines each: this process's counts, and the cache's."""
+    lines = []
+    for rank, stats in enumerate(all_stats):
+        proc, cache = stats["process"], dict(stats["cache"])
+        filled, capacity, nbytes = cache.pop("filled"), cache.pop("capacity"), cache.pop("nbytes")
+        size = "?" if nbytes is None else f"{nbytes / MIB:.1f} MiB"
+        counts = ", ".join(f"{k} {v}" for k, v in proc.items())
+        others = ", ".join(f"{k} {v}" for k, v in cache.items())
+        prefix = f"    rank {rank} ds.cache_stats()  "
+        lines.append(f"{prefix}process: {counts}")
+        lines.append(f"{' ' * len(prefix)}cache:   filled {filled}/{capacity} ({size}), {others}")
+    return lines
+
+
+def mib(nbytes: int | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / MIB:,.0f} MiB"
 
 
 # -- one training run ------------------------------------------------------------------------------------------------
 
 
 def train_run(
-    name: str, args: argparse.Namespace, files: list[dict[str, str]], device: torch.device, rank: int, world: int
+    name: str, args: argparse.Namespace, files: list, device: torch.device, rank: int, world: int, root: int
 ) -> dict[str, Any]:
-    log = os.path.join(args.out_dir, f"executions-{name}.log")
-    if rank == 0 and os.path.exists(log):
-        os.unlink(log)
+    log = os.path.join(args.out_dir, "computations-" + re.sub(r"\W+", "-", name).strip("-") + ".log")
+    if rank == 0:
+        print(f"\n== {name}: {VARIANTS[name]}", flush=True)
+        if os.path.exists(log):
+            os.unlink(log)
     dist.barrier()
 
-    if name == "shared":
-        store = create_shared_cache()  # COLLECTIVE: every rank calls it, once, here
-    else:
-        # a private store per rank, shared with the rank's own workers only: what runtime_cache="process" makes,
-        # created here so that its size can be reported
-        store = SharedCacheStore()
-    ds = CacheDataset(files, make_transform(log, args.crop), runtime_cache=store, progress=False)
-
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed
+    start = time.perf_counter()  # setup and time to first batch count from here
+    store = None if name == "upstream default" else create_shared_cache()  # COLLECTIVE: every rank, once
+    phase = Phase(root if rank == 0 else 0, store.path if store is not None else None)
+    ds = CacheDataset(
+        files,
+        make_transform(log, args.crop),
+        runtime_cache=store if store is not None else False,
+        copy_cache=True,
+        num_workers=args.cache_threads,
+        progress=rank == 0,
     )
-    loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers)
+    if name == "shared + fill()":
+        ds.fill()  # this rank's share, then the others': returns when every item is in the node's store
+    setup_s = time.perf_counter() - start
+    dist.barrier()
+    result: dict[str, Any] = {"name": name, "setup_s": max(gather(setup_s, world)), "epoch_s": [], "loss": []}
+    result["footprint"] = [phase.stop()]
+    result["computed"] = [count_lines(log)]
+    stats = gather(ds.cache_stats(), world)
+    result["cache_stats"] = [stats]
+    if rank == 0:
+        print(
+            f"  setup   {result['setup_s']:6.1f} s  computed {result['computed'][0]:3d}  "
+            f"peak footprint {mib(result['footprint'][0])}",
+            flush=True,
+        )
+        print("\n".join(stats_lines(stats)), flush=True)
 
+    sampler: DistributedSampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers)
     set_determinism(seed=args.seed)
     net = UNet(spatial_dims=3, in_channels=1, out_channels=1, channels=(8, 16, 32), strides=(2, 2), num_res_units=1)
     model = DistributedDataParallel(net.to(device), device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     loss_fn = DiceLoss(sigmoid=True)
-
-    epoch_times: list[float] = []
-    pss: list[int] = []
-    losses: list[float] = []
-    nprocs = 0
+    first_batch = None
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         dist.barrier()
-        start = time.perf_counter()
-        batches = len(loader)
+        phase = Phase(root if rank == 0 else 0, store.path if store is not None else None)
+        epoch_start, epoch_loss, steps = time.perf_counter(), 0.0, 0
         it = loader
         if rank == 0 and tqdm is not None:
-            it = tqdm(loader, total=batches, desc=f"{name} epoch {epoch + 1}/{args.epochs}", leave=False)
-        mem = (0, 0)
-        epoch_loss = 0.0
-        for step, batch in enumerate(it):
+            it = tqdm(loader, desc=f"{name} epoch {epoch + 1}/{args.epochs}", leave=False)
+        for batch in it:
+            if first_batch is None:
+                first_batch = time.perf_counter() - start
             image, label = batch["image"].to(device), batch["label"].to(device)
             opt.zero_grad()
             loss = loss_fn(model(image), label)
             loss.backward()
             opt.step()
-            epoch_loss += loss.item()
-            if step == batches - 1:  # the workers are still alive at the last batch
-                mem = tree_pss(os.getpid())
+            epoch_loss, steps = epoch_loss + loss.item(), steps + 1
         dist.barrier()
-        epoch_times.append(time.perf_counter() - start)
-        mems: list[Any] = [None] * world
-        dist.all_gather_object(mems, mem)
-        pss.append(sum(m[0] for m in mems))
-        losses.append(epoch_loss / max(batches, 1))
-        if epoch == 0:
-            nprocs = sum(m[1] for m in mems)
+        result["epoch_s"].append(time.perf_counter() - epoch_start)
+        result["footprint"].append(phase.stop())
+        result["computed"].append(count_lines(log))
+        result["loss"].append(sum(gather(epoch_loss / max(steps, 1), world)) / world)
+        stats = gather(ds.cache_stats(), world)
+        result["cache_stats"].append(stats)
+        if rank == 0:
+            new = result["computed"][-1] - result["computed"][-2]
+            print(
+                f"  epoch {epoch + 1} {result['epoch_s'][-1]:6.1f} s  computed {new:3d}  "
+                f"peak footprint {mib(result['footprint'][-1])}  loss {result['loss'][-1]:.4f}",
+                flush=True,
+            )
+            print("\n".join(stats_lines(stats)), flush=True)
+    result["first_batch_s"] = max(gather(first_batch, world))
 
-    # what the caches hold in shared memory: one store per rank, or one per node
-    stats = (store.path, store.stats()["nbytes"])
-    all_stats: list[Any] = [None] * world
-    dist.all_gather_object(all_stats, stats)
-    sizes = {path: nbytes for path, nbytes in all_stats if path}  # the ranks of a node report the same store
-    dist.barrier()
-    executions = count_lines(log)
-
-    # per-rank: this rank's own store; shared: the node's store goes when its last rank closes it (or exits)
-    store.close()
     del it, loader, sampler, ds
-    gc.collect()
+    if store is not None:
+        store.close()  # the node's store goes when its last rank closes it (or exits)
+    release_freed_memory()
     dist.barrier()
-    return {
-        "name": name,
-        "epoch_times": epoch_times,
-        "pss_bytes": pss,
-        "losses": losses,
-        "executions": executions,
-        "cache_bytes": sum(sizes.values()),
-        "stores": len(sizes),
-        "processes": nprocs,
-    }
+    return result
 
 
-def report(results: list[dict[str, Any]], args: argparse.Namespace, world: int) -> None:
+# -- report ----------------------------------------------------------------------------------------------------------
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace, world: int, baseline: int | None, copy: int):
+    item = copy / max(args.num_items, 1)
     print(
-        f"\n{world} ranks x {args.workers} DataLoader workers, {args.num_items} items of {args.size}^3 voxels, "
-        f"{args.epochs} epochs"
+        f"\n{world} ranks x {args.workers} DataLoader workers, {args.num_items} items of {mib(int(item))} once cached "
+        f"(one copy of the data: {mib(copy)}), {args.epochs} epochs; footprint before any dataset: {mib(baseline)}"
     )
-    header = f"{'run':<9} {'epoch':>5} {'time [s]':>9} {'PSS of ranks+workers [MiB]':>27} {'loss':>7}"
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        for e, (t, p, loss) in enumerate(zip(r["epoch_times"], r["pss_bytes"], r["losses"])):
-            print(f"{r['name']:<9} {e + 1:>5} {t:>9.2f} {p / MIB:>27.1f} {loss:>7.3f}")
-    print()
-    for r in results:
-        print(
-            f"{r['name']:<9} deterministic-transform executions: {r['executions']:>4}   "
-            f"cache stores: {r['stores']}   cache in shared memory: {r['cache_bytes'] / MIB:7.1f} MiB   "
-            f"total time: {sum(r['epoch_times']):6.2f} s   processes measured: {r['processes']}"
-        )
+    epochs = [f"epoch {e + 1} s" for e in range(args.epochs)]
+    head = ["variant", "computed", "setup s", "1st batch s", *epochs, "peak footprint", "x upstream", "loss"]
+    peaks = [max((f for f in r["footprint"] if f is not None), default=None) for r in results]
+    rows = []
+    for r, peak in zip(results, peaks):
+        ratio = f"{peak / peaks[0]:.2f}" if peak and peaks[0] else "n/a"
+        row = [r["name"], str(r["computed"][-1]), f"{r['setup_s']:.1f}", f"{r['first_batch_s']:.1f}"]
+        rows.append(row + [f"{t:.1f}" for t in r["epoch_s"]] + [mib(peak), ratio, f"{r['loss'][-1]:.4f}"])
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    for row in [head, ["-" * w for w in widths], *rows]:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
 
 
-def plot(results: list[dict[str, Any]], out_dir: str) -> str | None:
+def plot(results: list[dict[str, Any]], args: argparse.Namespace, baseline: int | None, copy: int) -> str | None:
     try:
         import matplotlib
 
@@ -300,23 +336,28 @@ def plot(results: list[dict[str, Any]], out_dir: str) -> str | None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for r in results:
-        epochs = list(range(1, len(r["epoch_times"]) + 1))
-        axes[0].plot(epochs, r["epoch_times"], marker="o", label=r["name"])
-        axes[1].plot(epochs, [p / MIB for p in r["pss_bytes"]], marker="o", label=r["name"])
-    names = [r["name"] for r in results]
-    axes[2].bar(names, [r["cache_bytes"] / MIB for r in results], color=["C0", "C1"][: len(results)])
+    colors = ["0.55", "C0", "C2"]  # upstream's default in grey
+    phases = ["setup", *[f"epoch {e + 1}" for e in range(args.epochs)]]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(results)
+    x = np.arange(len(phases))
     for i, r in enumerate(results):
-        axes[2].text(i, r["cache_bytes"] / MIB, f"{r['executions']} computed", ha="center", va="bottom")
-    axes[0].set(title="epoch time", xlabel="epoch", ylabel="seconds")
-    axes[1].set(title="PSS of all ranks + DataLoader workers", xlabel="epoch", ylabel="MiB")
-    axes[2].set(title="cache in shared memory (/dev/shm)", ylabel="MiB")
-    for ax in axes[:2]:
-        ax.legend()
-        ax.set_xticks(epochs)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "shared_cache_ddp.png")
+        foot = [(f or 0) / MIB for f in r["footprint"]]
+        axes[0].bar(x + (i - (len(results) - 1) / 2) * width, foot, width, label=r["name"], color=colors[i % 3])
+        times = [r["first_batch_s"], *r["epoch_s"]]
+        axes[1].bar(x + (i - (len(results) - 1) / 2) * width, times, width, label=r["name"], color=colors[i % 3])
+    if baseline:
+        axes[0].axhline(baseline / MIB, color="k", ls="--", lw=1, label="before any dataset")
+        axes[0].axhline((baseline + copy) / MIB, color="k", ls=":", lw=1, label="the same + one copy of the data")
+    axes[0].set(title="peak memory footprint of the job (procmem)", ylabel="MiB", xticks=x, xticklabels=phases)
+    axes[1].set(title="time to first batch (from the setup's start) and epochs", ylabel="seconds", xticks=x)
+    axes[1].set_xticklabels(["1st batch", *phases[1:]])
+    for ax in axes:
+        ax.set_ylim(bottom=0)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    path = os.path.join(args.out_dir, "shared_cache_ddp.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -324,13 +365,14 @@ def plot(results: list[dict[str, Any]], out_dir: str) -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", default=os.path.join(HERE, "data"), help="synthetic NIfTI dataset (made once)")
-    parser.add_argument("--out-dir", default=os.path.join(HERE, "output"), help="plot, results and execution logs")
+    parser.add_argument("--data-dir", default=str(HERE / "data"), help="synthetic NIfTI dataset (made once)")
+    parser.add_argument("--out-dir", default=str(HERE / "output"), help="plot, results and computation logs")
     parser.add_argument("--num-items", type=int, default=16, help="number of image/label pairs")
-    parser.add_argument("--size", type=int, default=64, help="edge of the cubic images, in voxels")
-    parser.add_argument("--crop", type=int, default=32, help="edge of the random training crops")
+    parser.add_argument("--size", type=int, default=256, help="edge of the cubic images, in voxels")
+    parser.add_argument("--crop", type=int, default=64, help="edge of the random training crops")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
+    parser.add_argument("--cache-threads", type=int, default=1, help="CacheDataset(num_workers=...) of every rank")
     parser.add_argument("--batch-size", type=int, default=2, help="items per batch (2 crops each)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -348,15 +390,27 @@ def main() -> None:
         torch.set_num_threads(1)  # the ranks share the cores with each other and with the DataLoader workers
     if rank == 0:
         os.makedirs(args.out_dir, exist_ok=True)
+        if procmem is None:
+            print("benchmarks/procmem.py not found (run from the repository): no memory numbers")
     files = make_data(args.data_dir, args.num_items, args.size, rank)
 
-    results = [train_run(name, args, files, device, rank, world) for name in ("per-rank", "shared")]
+    # the footprint of the whole job: torchrun's agent (the parent of the ranks of this node) and all below it
+    parents = set(gather(os.getppid(), world))
+    root = parents.pop() if len(parents) == 1 else os.getpid()
+    baseline = procmem.tree_snapshot(root)["footprint_bytes"] if procmem and rank == 0 else None
+    if rank == 0:
+        print(
+            "ds.cache_stats(): 'process' counts the events of the rank itself (its DataLoader workers count for "
+            "themselves), 'cache' the cache's contents and, for a shared store, the events of all its processes"
+        )
+    results = [train_run(name, args, files, device, rank, world, root) for name in VARIANTS]
 
     if rank == 0:
-        report(results, args, world)
+        copy = results[0]["cache_stats"][0][0]["cache"]["nbytes"]  # rank 0's own cache of upstream's default
+        report(results, args, world, baseline, copy)
         with open(os.path.join(args.out_dir, "shared_cache_ddp.json"), "w") as f:
-            json.dump({"args": vars(args), "world": world, "results": results}, f, indent=1)
-        path = plot(results, args.out_dir)
+            json.dump({"args": vars(args), "world": world, "baseline": baseline, "results": results}, f, indent=1)
+        path = plot(results, args, baseline, copy)
         if path:
             print(f"plot: {path}")
     dist.barrier()
