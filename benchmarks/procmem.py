@@ -203,8 +203,18 @@ def snapshot(pids: Sequence[int], store_dirs: Sequence[str] = ()) -> dict[str, A
 
 
 def tree_snapshot(root_pid: int, store_dirs: Sequence[str] = ()) -> dict[str, Any]:
-    """:func:`snapshot` of ``root_pid`` and all its descendants."""
-    return snapshot([root_pid] + descendants(root_pid), store_dirs)
+    """
+    :func:`snapshot` of ``root_pid`` and all its descendants. Taken again (up to 3 times) if the processes changed
+    while it was read: a process forked meanwhile (a DataLoader worker starting) would be missed, and its memory with it.
+    """
+    pids = [root_pid] + descendants(root_pid)
+    for _ in range(3):
+        snap = snapshot(pids, store_dirs)
+        now = [root_pid] + descendants(root_pid)
+        if sorted(now) == sorted(pids):
+            break
+        pids = now
+    return snap
 
 
 class PeakSampler:

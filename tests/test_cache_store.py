@@ -914,6 +914,37 @@ class TestAtomicPublish(_TempRootMixin):
         self.assertEqual(os.listdir(tmp_dir), [])  # the dead writer's file is cleaned up
         self.assertTrue(torch.equal(store.get(0, "big"), torch.ones(10)))
 
+    @skip_unless_linux
+    def test_cleaner_holding_a_new_temp_file_does_not_lose_the_write(self) -> None:
+        """A cleaner that takes a writer's new temporary file for a dead writer's, and still holds it when the writer
+        tries to lock it, removes it: the writer makes it again and publishes (it once wrote to the removed file)."""
+        import fcntl
+
+        store = self.new_store()
+        tmp_dir = os.path.join(store.path, ".tmp")
+        real_flock, raced = fcntl.flock, []
+
+        def flock(fd: int, op: int) -> None:
+            if not raced and os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) == tmp_dir:
+                raced.append(True)
+                path = os.readlink(f"/proc/self/fd/{fd}")
+                cleaner = os.open(path, os.O_RDONLY)
+                real_flock(cleaner, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the cleaner got it first...
+                try:
+                    real_flock(fd, op)  # ...so the writer's lock fails
+                finally:
+                    os.unlink(path)  # ...and the cleaner removes the file
+                    os.close(cleaner)
+            real_flock(fd, op)
+
+        with mock.patch.object(cache_coord.fcntl, "flock", flock):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a lost write would warn "cannot write items"
+                self.assertTrue(store.put(0, "k", torch.arange(5)))
+        self.assertEqual(raced, [True])
+        self.assertTrue(torch.equal(store.get(0, "k"), torch.arange(5)))
+        self.assertEqual(os.listdir(tmp_dir), [])
+
     @parameterized.expand(
         [
             ("garbage", lambda data: b"not an item at all"),

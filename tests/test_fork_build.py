@@ -208,7 +208,7 @@ class TestPRSeries(unittest.TestCase):
     def test_series_files(self):
         names = [p.name for p in self.written]
         self.assertEqual(names, [f"{st.name}{ext}" for st in self.stages for ext in (".patch", ".md")])
-        self.assertEqual([st.name[:3] for st in self.stages], ["01-", "02-", "03-", "04-"])
+        self.assertEqual([st.name[:3] for st in self.stages], ["01-", "02-", "03-", "04-", "05-"])
         first = (Path(self.tmp) / "pr" / f"{self.stages[0].name}.patch").read_text()
         # PR 01 is the fix alone: no store, no helper, within its cap (export_series raises past it)
         self.assertNotIn("cache_store", first)

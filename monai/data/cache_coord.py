@@ -344,17 +344,34 @@ def release_claim(claim: str, held: Held) -> None:
 
 
 def open_temp(path: str) -> Held:
-    """Create the temporary file ``path`` for writing and hold it exclusively, so that no one removes it."""
+    """
+    Create the temporary file ``path`` for writing and hold it exclusively, so that no one removes it.
+
+    Between the creation and the lock, a cleaner (:py:func:`clean_dead_temps`, in another process or thread) may
+    take the file for a dead writer's: it locks it, then removes it. The file is then made again, once the cleaner
+    has removed it.
+
+    Raises:
+        OSError: the file cannot be created, or a cleaner holds it for more than a few seconds.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    deadline = time.monotonic() + 5.0
     while True:
-        held = Held(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600))
+        try:
+            held = Held(os.open(path, flags, 0o600))
+        except FileExistsError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(_POLL_MIN)  # a cleaner holds our first file and is about to remove it
+            continue
         if not HAS_LOCKS:
             return held
         try:
             fcntl.flock(held.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return held  # cannot happen on a file no one else wrote to; then it is only unprotected
-        if _same_file(held.fd, path):
-            return held
+            if _same_file(held.fd, path):
+                return held
+        except OSError:  # the cleaner holds it now: it removes it next
+            pass
         held.close()  # a cleaner took it for a dead writer's between our creation and our lock: make it again
 
 
