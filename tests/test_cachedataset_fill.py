@@ -171,6 +171,16 @@ class TestFill(unittest.TestCase):
         self.assertEqual(counts, {"hits": N, "misses": N, "computed": N, "refused": 0, "filled": N})
         self.assertEqual(computations(self.log), Counter(range(N)))
 
+    def test_hash_as_key_fills_the_unique_inputs(self) -> None:
+        store = self.runtime_cache("store")
+        data = [3, 1, 3, 0, 1, 2]
+        ds = CacheDataset(data, Compose([Load(self.log), AddOne()]), hash_as_key=True, runtime_cache=store)
+        ds.fill()
+        self.assertEqual(computations(self.log), Counter({0: 1, 1: 1, 2: 1, 3: 1}))
+        for i, x in enumerate(data):
+            self.assertTrue(torch.equal(ds[i]["img"], torch.full((2, 4), x + 1.0)), (i, x))
+        self.assertEqual(computations(self.log), Counter({0: 1, 1: 1, 2: 1, 3: 1}))
+
     def test_no_runtime_cache_nothing_to_fill(self) -> None:
         ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), cache_rate=0.5, progress=False)
         ds.fill()
