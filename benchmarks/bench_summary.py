@@ -30,6 +30,9 @@ SERIES = tuple(
         ("kernel touch", "kernel_touch_x_floor"),
         ("kernel populate", "kernel_populate_x_floor"),
     )
+) + (
+    ("floor, item in 4 KiB pages: hit", "private_nocopy_4k", "hit_x_floor"),
+    ("store hit / floor in 4 KiB pages", "store", "hit_x_floor_4k"),
 )
 
 
@@ -63,8 +66,11 @@ def _run_stats(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The stats of each path of one ``micro_fork`` run, with its ratios to the floor of the same run."""
     paths = {name: _path_stats(p) for name, p in result["paths"].items()}
     floor = paths.get("private_nocopy", {}).get("hit_s", float("nan"))
+    floor_4k = paths.get("private_nocopy_4k", {}).get("hit_s")
     for p in paths.values():
         p["hit_x_floor"] = p["hit_s"] / floor
+        if floor_4k:
+            p["hit_x_floor_4k"] = p["hit_s"] / floor_4k
     for name, res in (result.get("kernel_floor") or {}).items():
         k = bench_kernel.summarize(res)
         if name in paths:

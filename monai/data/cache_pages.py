@@ -44,7 +44,13 @@ _PAGE = mmap.PAGESIZE
 
 _UNMAP, _WATCHED = -1, -2  # states of a released mapping; a state >= 0 is how often it was kept before, unwatched
 _PAGEMAP_SCAN = 0xC0606610  # _IOWR('f', 16, struct pm_scan_arg)
-_PAGE_IS_WRITTEN, _PAGE_IS_FILE, _PAGE_IS_PRESENT, _PAGE_IS_SWAPPED = 1 << 1, 1 << 2, 1 << 3, 1 << 4
+_PAGE_IS_WRITTEN, _PAGE_IS_FILE, _PAGE_IS_PRESENT, _PAGE_IS_SWAPPED, _PAGE_IS_HUGE = (
+    1 << 1,
+    1 << 2,
+    1 << 3,
+    1 << 4,
+    1 << 6,
+)
 _SCAN_ARG = struct.Struct("12Q")  # size, flags, start, end, walk_end, vec, vec_len, max_pages, 4 category masks
 _scan_works: bool | None = None  # None until the first call tells whether this kernel has PAGEMAP_SCAN
 
@@ -190,6 +196,8 @@ def _keep(libc: Any, addr: int, size: int, state: int) -> int:
         return _UNMAP if _WATCH.written(addr, size) else _WATCHED
     if not _pristine(addr, size):
         return _UNMAP
-    if state >= 1 and _WATCH.watch(libc, addr, size):  # reused before, so likely to be reused again
+    # reused before, so likely to be reused again; not on huge pages (a tmpfs mounted with huge=): their few page
+    # table entries are cheap to check, and write-protecting them splits them into small pages that fault again
+    if state >= 1 and not _scan(addr, size, 0, _PAGE_IS_HUGE, 0) and _WATCH.watch(libc, addr, size):
         return _WATCHED
     return max(state, 0) + 1
