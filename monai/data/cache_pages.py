@@ -172,16 +172,13 @@ def _pristine(addr: int, size: int) -> bool:
     if written is not None:
         return not written
     first, count = addr // _PAGE, (size + _PAGE - 1) // _PAGE
-    try:
-        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
-    except OSError:
+    fd = _pagemap()  # a kernel older than 6.7: read the page table entries, 8 bytes per page
+    if fd is None:
         return False
     try:
         data = os.pread(fd, count * 8, first * 8)
     except OSError:
         return False
-    finally:
-        os.close(fd)
     if len(data) != count * 8:
         return False
     entries = np.frombuffer(data, dtype=np.uint64)
