@@ -61,10 +61,10 @@ TIMEOUT = 60.0  # for every wait on another process
 FORK = multiprocessing.get_context("fork") if IS_LINUX else None
 skip_unless_linux = unittest.skipUnless(IS_LINUX, "needs Linux (fork, /proc, flock)")
 # cache_store maps item files through libc, and so keeps a pool of mappings that their finalizers release into, only
-# where ``_map_private`` does: Python < 3.13 and ``_libc()`` available (POSIX). Elsewhere mmap.mmap maps them, unpooled.
-HAS_MAPPING_POOL = sys.version_info < (3, 13) and cache_mapping._libc() is not None
+# where ``_map_private`` does: ``_libc()`` available (POSIX). Elsewhere mmap.mmap maps them, unpooled.
+HAS_MAPPING_POOL = cache_mapping._libc() is not None
 skip_unless_mapping_pool = unittest.skipUnless(
-    HAS_MAPPING_POOL, "no mapping pool here: item files are mapped by mmap.mmap (Python >= 3.13 or no libc mmap)"
+    HAS_MAPPING_POOL, "no mapping pool here: item files are mapped by mmap.mmap (no libc mmap)"
 )
 # leftover directories younger than this are kept (patched in for the checks of that rule, so that they cannot depend
 # on how fast a loaded machine runs the test); backdated ones are older than it

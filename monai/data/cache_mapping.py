@@ -13,8 +13,9 @@ Reading item files of a :py:class:`monai.data.SharedCacheStore`: private copy-on
 descriptor, and the per-process pool that reuses them.
 
 A hit must cost neither a copy nor an open descriptor (a dataset may hold thousands of items at once), and every
-reader must get a private copy that it may write to. A ``MAP_PRIVATE`` mapping gives both; on Python < 3.13
-``mmap.mmap`` keeps a dup of the descriptor, so the mapping is made through libc. Small files are simply read.
+reader must get a private copy that it may write to. A ``MAP_PRIVATE`` mapping gives both. The mapping is made
+through libc on POSIX: ``mmap.mmap`` keeps a dup of the descriptor before Python 3.13, and on any version its
+mappings could not be handed on to a later read with their page tables (the pool below). Small files are simply read.
 
 Reading:
     A file is mapped with a private, copy-on-write mapping (files under 64 KiB are simply read into a private
@@ -36,7 +37,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -54,11 +54,11 @@ _LIBC_LOADED = False
 
 
 def _libc() -> Any:
-    """libc's mmap/munmap through ctypes (Python < 3.13 on POSIX, where ``mmap.mmap`` keeps a dup of the fd)."""
+    """libc's mmap/munmap/madvise through ctypes (POSIX), or None (Windows)."""
     global _LIBC, _LIBC_LOADED
     if not _LIBC_LOADED:
         _LIBC_LOADED = True
-        if os.name == "posix" and sys.version_info < (3, 13):
+        if os.name == "posix":
             try:
                 libc = ctypes.CDLL(None, use_errno=True)
                 libc.mmap.restype = ctypes.c_void_p
@@ -222,9 +222,6 @@ def _map_private(fd: int, size: int, ident: tuple | None = None) -> memoryview:
 
     ``ident`` (path, device, inode, size, modification time) lets an unwritten mapping of the same file be reused.
     """
-    if sys.version_info >= (3, 13):
-        kwargs: dict[str, Any] = {"trackfd": False}
-        return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY, **kwargs))
     libc = _libc()
     if libc is None:  # e.g. Windows: the mapping keeps a handle of its own
         return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
