@@ -293,13 +293,15 @@ def compute_once(
     timeout: float,
     mine: set[str],
     miss: Any,
+    wait: bool = True,
 ) -> tuple[Any, bool]:
     """
     The item of ``claim``: ``lookup()`` unless it returns ``miss``; else computed once across processes and threads,
     by the holder of ``claim``, and published with ``publish``. The others poll for the item or the claim (the
     kernel releases the claim of a holder that dies); after ``timeout`` seconds they compute the item without
-    publishing it, and the second value returned is ``True``. A thread that holds ``claim`` already (its
-    ``compute`` asks for the item it is computing; ``mine`` is the thread's set of claims) computes it again.
+    publishing it, and the second value returned is ``True``. With ``wait=False`` they do not poll: they return
+    ``miss`` at once. A thread that holds ``claim`` already (its ``compute`` asks for the item it is computing;
+    ``mine`` is the thread's set of claims) computes it again.
 
     Raises:
         ClaimUnavailable: the claim file cannot be created.
@@ -325,7 +327,7 @@ def compute_once(
                 mine.discard(claim)
                 release_claim(claim, held)
         item = lookup()
-        if item is not miss:
+        if item is not miss or not wait:
             return item, False
         if time.monotonic() > deadline:
             return compute(), True  # computing it here, without publishing it, cannot deadlock or corrupt anything

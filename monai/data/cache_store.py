@@ -317,26 +317,9 @@ class SharedCacheStore(ItemFiles):
             self._counters.add(REFUSED)
             return item, True
         claim = self._claim_path(key)
-        if not wait:
-            try:
-                held = coord.try_claim(claim)
-            except OSError as err:
-                self._fault("cannot create claim files", err)
-                return None, False
-            if held is None:
-                return None, False
-            mine = self._held_claims()
-            try:
-                mine.add(claim)
-                if lookup() is MISS:
-                    publish(counted())
-            finally:
-                mine.discard(claim)
-                coord.release_claim(claim, held)
-            return None, True
         try:
             item, timed_out = coord.compute_once(
-                claim, lookup, counted, publish, self._claim_timeout, self._held_claims(), MISS
+                claim, lookup, counted, publish, self._claim_timeout, self._held_claims(), MISS, wait
             )
         except coord.ClaimUnavailable as err:
             self._fault("cannot create claim files", err)
@@ -346,7 +329,7 @@ class SharedCacheStore(ItemFiles):
             self._counters.add(REFUSED)
             timeout = TimeoutError(f"{claim} was held for more than claim_timeout={self._claim_timeout} s")
             self._warn_once("waited too long for another process to compute an item", timeout)
-        return item, True
+        return item, item is not MISS  # MISS only without waiting, for an item being computed elsewhere
 
     def _held_claims(self) -> set[str]:
         held = getattr(self._local, "claims", None)
