@@ -297,8 +297,8 @@ class SharedCacheStore(ItemFiles):
         """
         path = self._item_path(key)
         present = lambda: True if os.path.exists(path) else MISS  # noqa: E731
-        if self._gone or present() is True:
-            return True
+        if self._gone or not self._writable or present() is True:
+            return True  # an item that could not be stored would be computed for nothing
         _, done = self._compute_once(index, key, compute, present, wait)
         return done
 
