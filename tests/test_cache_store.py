@@ -1448,6 +1448,23 @@ class TestBudget(_TempRootMixin):
         empty = self.new_store(reserve=0)
         self.assertTrue(empty.put(0, "k", np.ones(10)))
 
+    def test_a_new_store_at_a_freed_stores_address_still_warns(self) -> None:
+        """Warnings are once per store and process: a store that reuses the id() of a freed one warns too."""
+        seen: dict[int, int] = {}
+        for attempt in range(50):
+            store = SharedCacheStore(root=self.root, reserve=2**62)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self.assertFalse(store.put(0, "k", np.ones(10)))
+            self.assertEqual(len(_runtime_warnings(caught)), 1, f"attempt {attempt}")
+            seen[id(store)] = seen.get(id(store), 0) + 1
+            store.close()
+            del store
+            gc.collect()
+            if max(seen.values()) >= 2:
+                return
+        self.skipTest("no store reused the address of a freed one in 50 attempts")
+
     def test_default_reserve(self) -> None:
         from monai.data.cache_budget import default_reserve
 

@@ -27,7 +27,7 @@ import secrets
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from monai.data import cache_coord as coord
 from monai.data.cache_budget import ENV_ROOT, Budget
@@ -57,7 +57,8 @@ class ItemFiles:
     The items of one store directory, addressed by key; the base of :py:class:`monai.data.SharedCacheStore`.
 
     Attributes set by the store: ``_path`` (the directory), ``_tmp_dir``, ``_gone`` (the directory was removed or
-    the store closed: always miss), ``_writable`` (``False`` after a persistent write error) and ``_budget``.
+    the store closed: always miss), ``_writable`` (``False`` after a persistent write error), ``_budget``,
+    ``_counters`` and ``_warned``.
     """
 
     _path: str
@@ -66,7 +67,7 @@ class ItemFiles:
     _writable: bool
     _budget: Budget
     _counters: Counters
-    _warned: ClassVar[set[tuple[int, int, str]]] = set()  # (pid, store, what) of the warnings given, once per process
+    _warned: set[tuple[int, str]]  # (pid, what) of the warnings this store gave: once per process
 
     def get(self, index: int, key: str, default: Any = MISS) -> Any:
         """
@@ -209,11 +210,11 @@ class ItemFiles:
 
     def _first_time(self, what: str) -> bool:
         """Whether ``what`` happens for the first time in this process and store (for warnings given once)."""
-        token = (os.getpid(), id(self), what)  # the pid: a forked child warns for itself
+        token = (os.getpid(), what)  # the pid: a forked child warns for itself
         with _WARN_LOCK:
-            if token in ItemFiles._warned:
+            if token in self._warned:
                 return False
-            ItemFiles._warned.add(token)
+            self._warned.add(token)
         return True
 
     def _warn_once(self, what: str, err: BaseException) -> None:

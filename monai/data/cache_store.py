@@ -202,6 +202,7 @@ class SharedCacheStore(ItemFiles):
         self._finalizer: weakref.finalize | None = None
         self._budget = Budget.load(path)  # as recorded by the process that created the store
         self._counters = Counters(path)
+        self._warned: set[tuple[int, str]] = set()  # (pid, what): not keyed by id(), which a later store may reuse
 
     def _hold(self, held: coord.Held | None) -> None:
         # runs at close(), at garbage collection and at interpreter exit; a forked child no longer holds anything
