@@ -28,6 +28,7 @@ import difflib
 import gzip
 import hashlib
 import io
+import json
 import os
 import re
 import shutil
@@ -215,26 +216,41 @@ def parse_patch(text: str, patch_name: str) -> list[FilePatch]:
     return files
 
 
+def _find_hunk(src: list[str], old_lines: list[str], at: int, pos: int) -> int | None:
+    """Where ``old_lines`` stand in ``src``: at ``at``, else at the nearest offset, never before ``pos``; no fuzz."""
+    n = len(old_lines)
+    for offset in range(len(src) + 1):
+        for cand in (at - offset, at + offset) if offset else (at,):
+            if pos <= cand <= len(src) - n and src[cand : cand + n] == old_lines:
+                return cand
+    return None
+
+
 def apply_file_patch(fp: FilePatch, original: str | None, patch_name: str) -> str | None:
-    """Apply one file's hunks to ``original`` exactly (no fuzz, no offset); return the new text, None if deleted."""
+    """
+    Apply one file's hunks to ``original``: every context and removed line must match exactly, at the stated line or
+    shifted by whole lines (as ``git apply`` allows), never with fuzz. Return the new text, ``None`` if deleted.
+    """
     src = [] if original is None else original.splitlines(keepends=True)
     out: list[str] = []
     pos = 0  # index into src of the next line not yet copied
     for n, (start, old_lines, new_lines) in enumerate(fp.hunks, 1):
         at = max(start - 1, 0) if old_lines else start  # a pure insertion hunk "-k,0" inserts after line k
-        if at < pos or src[at : at + len(old_lines)] != old_lines:
+        found_at = _find_hunk(src, old_lines, at, pos) if old_lines else (at if pos <= at <= len(src) else None)
+        if found_at is None:
             found = src[at : at + len(old_lines)]
             first_bad = next((k for k, (a, b) in enumerate(zip(found, old_lines)) if a != b), len(found))
             expected = old_lines[first_bad] if first_bad < len(old_lines) else "<end of file>"
             actual = found[first_bad] if first_bad < len(found) else "<end of file>"
             raise BuildError(
                 f"patch {patch_name} does not apply to {fp.path}: hunk #{n} (@@ -{start},{len(old_lines)} @@) "
-                f"expects at line {at + first_bad + 1}:\n  {expected!r}\nbut upstream has:\n  {actual!r}\n"
-                "The upstream file has drifted; refresh the patch (see README: 'Editing an upstream file')."
+                f"expects at line {at + first_bad + 1}:\n  {expected!r}\nbut the file has:\n  {actual!r}\n"
+                "(nor anywhere after the previous hunk). The file has drifted; refresh the patch (see README: "
+                "'Editing an upstream file')."
             )
-        out.extend(src[pos:at])
+        out.extend(src[pos:found_at])
         out.extend(new_lines)
-        pos = at + len(old_lines)
+        pos = found_at + len(old_lines)
     out.extend(src[pos:])
     if fp.new == "/dev/null":
         return None
@@ -255,7 +271,7 @@ def apply_patch(tree: Path, patch: Path) -> list[str]:
         if original is None and target.exists():
             raise BuildError(f"patch {patch.name} creates {fp.path}, which already exists upstream")
         if fp.old != "/dev/null" and not target.is_file():
-            raise BuildError(f"patch {patch.name} changes {fp.path}, which is not in the upstream tree")
+            raise BuildError(f"patch {patch.name} changes {fp.path}, which is neither upstream nor in the overlay")
         results[fp.path] = apply_file_patch(fp, original, patch.name)
     for rel, text in results.items():
         if text is None:
@@ -337,6 +353,25 @@ def input_digest(src_root: Path = ROOT) -> str:
     return h.hexdigest()
 
 
+def _assemble(tree: Path, wheel: Path, src_root: Path = ROOT, upto: str | None = None) -> None:
+    """
+    Unpack upstream into ``tree``, add the overlay (the modules as the PR that adds them has them), then apply the
+    patches in order, stopping before the patch named ``upto``: diffs of upstream files, and diffs by a later PR of
+    an overlay module that an earlier PR added.
+    """
+    unpack_upstream(wheel, tree)
+    for rel in _overlay_files(src_root):
+        target = tree / rel
+        if target.exists():
+            raise BuildError(f"overlay file {rel} would replace an upstream file; change upstream with a patch")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src_root / rel, target)
+    for patch in patch_files(src_root / PATCHES):
+        if upto is not None and patch.name >= upto:
+            break
+        apply_patch(tree, patch)
+
+
 def layout(dest: Path, config_settings: dict | None = None, src_root: Path = ROOT, wheel: Path | None = None) -> Path:
     """
     Lay upstream, the overlay and the patches out as a full package tree in ``dest`` (replaced if it exists).
@@ -349,15 +384,7 @@ def layout(dest: Path, config_settings: dict | None = None, src_root: Path = ROO
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        unpack_upstream(wheel, tmp)
-        for rel in _overlay_files(src_root):
-            target = tmp / rel
-            if target.exists():
-                raise BuildError(f"overlay file {rel} would replace an upstream file; change upstream with a patch")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src_root / rel, target)
-        for patch in patch_files(src_root / PATCHES):
-            apply_patch(tmp, patch)
+        _assemble(tmp, wheel, src_root)
         set_version(tmp)
         (tmp / ".stamp").write_text(input_digest(src_root) + "\n")
         # swap the trees with two renames, so that a process importing from `dest` meanwhile hardly sees a gap
@@ -482,15 +509,16 @@ def build_sdist(sdist_directory: str, config_settings: dict | None = None) -> st
 
 
 def pristine(dest: Path, upto: Path | None = None, src_root: Path = ROOT) -> Path:
-    """Unpack upstream into ``dest`` and apply the patches that come before ``upto`` (none if ``upto`` is None)."""
+    """
+    Unpack upstream into ``dest``; with ``upto``, also add the overlay and apply the patches that come before it (the
+    tree that the patch ``upto`` applies to). Without ``upto``, upstream alone.
+    """
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
-    unpack_upstream(find_upstream_wheel(), dest)
-    if upto is not None:
-        for patch in patch_files(src_root / PATCHES):
-            if patch.name >= upto.name:
-                break
-            apply_patch(dest, patch)
+    if upto is None:
+        unpack_upstream(find_upstream_wheel(), dest)
+    else:
+        _assemble(dest, find_upstream_wheel(), src_root, upto=upto.name)
     return dest
 
 
@@ -533,6 +561,11 @@ def refresh(patch: Path, tree: Path, files: list[str] | None = None, src_root: P
 
 SERIES = "docs/pr/series.ini"  # the upstream PR series: which patches, modules, tests and docs each PR holds
 UPSTREAM_TEST_DIR = "tests/data"  # where MONAI keeps the tests of monai/data
+FORK_TEST_DIR = "tests/fork"  # the fork's own tests: of the build, and those MONAI's CI could not run
+TEST_UTILS = "test_utils.py"  # the fork's stand-in for MONAI's tests/test_utils.py (same names and meanings)
+TUTORIALS = "tutorials"  # runnable recipes, exported as a companion for MONAI's tutorials repository
+BENCH_RESULTS = ("benchmarks/output/results.json", "benchmarks/results/results.json")  # the latest of them counts
+CODE_CAP, DOCS_CAP = 1000, 500  # changed lines of a PR: code and tests (monai/, tests/), and docs
 PATCH_AUTHOR = "MONAI shared-cache fork <monai-sharedcache@users.noreply.invalid>"
 
 
@@ -542,16 +575,21 @@ class Stage:
     def __init__(self, name: str, fields: dict[str, str], number: int) -> None:
         self.name, self.number = name, number
         self.title = fields.get("title", name)
-        self.patches, self.overlay, self.tests, self.docs = (
-            fields.get(key, "").split() for key in ("patches", "overlay", "tests", "docs")
+        self.patches, self.overlay, self.tests, self.fork_tests, self.docs, self.bench = (
+            fields.get(key, "").split() for key in ("patches", "overlay", "tests", "fork_tests", "docs", "bench")
         )
+        # names that this PR adds: no earlier PR may mention them (one per line, literal text)
+        self.provides = [ln.strip() for ln in fields.get("provides", "").splitlines() if ln.strip()]
+        # tokens that must not appear in the lines this PR adds (one per line, literal text)
+        self.forbids = [ln.strip() for ln in fields.get("forbids", "").splitlines() if ln.strip()]
         self.max_lines = int(fields["max_lines"]) if fields.get("max_lines") else None
 
 
 def read_series(src_root: Path = ROOT) -> list[Stage]:
     """
     The PR series, in order. Every patch of ``patches/`` must be in exactly one stage, in the order of the series,
-    and every overlay module and test file (other than the fork's own ``test_fork_*``) in exactly one.
+    every overlay module in exactly one, every exported test (``tests/test_*.py`` but the stand-in of MONAI's
+    ``test_utils.py``) in exactly one, and every test of ``tests/fork/`` in at most one (the others test the build).
     """
     import configparser
 
@@ -566,9 +604,13 @@ def read_series(src_root: Path = ROOT) -> list[Stage]:
     overlay = sorted(str(p) for p in _overlay_files(src_root) if p.suffix == ".py")
     if sorted(m for st in stages for m in st.overlay) != overlay:
         raise BuildError(f"{SERIES}: the overlay modules of the stages must be exactly {overlay}")
-    tests = sorted(p.name for p in (src_root / "tests").glob("test_*.py") if not p.name.startswith("test_fork_"))
+    tests = sorted(p.name for p in (src_root / "tests").glob("test_*.py") if p.name != TEST_UTILS)
     if sorted(t for st in stages for t in st.tests) != tests:
-        raise BuildError(f"{SERIES}: the tests of the stages must be exactly {tests}")
+        raise BuildError(f"{SERIES}: the exported tests of the stages must be exactly {tests}")
+    fork = {p.name for p in (src_root / FORK_TEST_DIR).glob("test_*.py")}
+    listed_fork = [t for st in stages for t in st.fork_tests]
+    if len(set(listed_fork)) != len(listed_fork) or not set(listed_fork) <= fork:
+        raise BuildError(f"{SERIES}: fork_tests must name files of {FORK_TEST_DIR}/, each in one stage at most")
     return stages
 
 
@@ -578,20 +620,48 @@ def _strip_header(text: str) -> tuple[str, str]:
     return (text[: found.start()], text[found.start() :]) if found else (text, "")
 
 
+def _added_lines(diff: str) -> list[tuple[str, str]]:
+    """``(path, line)`` of every line a unified diff adds."""
+    out, path = [], ""
+    for ln in diff.splitlines():
+        if ln.startswith("+++ "):
+            path = _strip_name(ln)[2:] if _strip_name(ln).startswith("b/") else _strip_name(ln)
+        elif ln.startswith("+"):
+            out.append((path, ln[1:]))
+    return out
+
+
+def _changed_lines(diff: str) -> dict[str, int]:
+    """Changed (added or removed) lines of a diff: ``code`` (monai/, tests/) and ``docs`` (the rest)."""
+    counts, path = {"code": 0, "docs": 0}, ""
+    for ln in diff.splitlines():
+        if ln.startswith(("+++ ", "--- ")):
+            name = _strip_name(ln)
+            path = name[2:] if name[:2] in ("a/", "b/") else (path if name == "/dev/null" else name)
+        elif ln[:1] in "+-":
+            counts["code" if path.startswith(("monai/", "tests/")) else "docs"] += 1
+    return counts
+
+
 def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
     """
-    Write the upstream PR series into ``out_dir``: for each stage ``NN-<slug>.patch`` and ``NN-<slug>.md``.
+    Write the upstream PR series into ``out_dir``: for each stage ``NN-<slug>.patch`` and ``NN-<slug>.md``, and
+    ``series.json`` (the size and checks of each PR).
 
     A ``.patch`` is a plain ``git diff`` with the descriptions of its patches first: the stage's code and tests
     (at MONAI's test paths) and new docs files, against the unpacked upstream wheel with the earlier stages applied,
     then the stage's diffs of MONAI's own docs. Every patch applies with ``git apply`` after the ones before it:
     whole to MONAI's repository, and with ``--include='monai/*' --include='tests/*'`` to an unpacked wheel.
+
+    Raises:
+        BuildError: a PR is over its size caps, mentions a name that a later PR adds, adds a forbidden token, or
+            exports a test that needs the fork's own test modules.
     """
     git = ["git", "-c", "user.name=MONAI shared-cache fork", "-c", "user.email=monai-sharedcache@users.noreply.invalid"]
     git += ["-c", "commit.gpgsign=false", "-c", "core.autocrlf=false"]
     stages = read_series(src_root)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, summary = [], []
     with tempfile.TemporaryDirectory() as tmp:
         repo = pristine(Path(tmp) / "repo")
         for info in repo.glob("monai-*.dist-info"):
@@ -615,9 +685,12 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
                 apply_patch(repo, src_root / PATCHES / name)
                 descriptions.append(_strip_header((src_root / PATCHES / name).read_text(encoding="utf-8"))[0])
             for name in st.tests:
+                text = (src_root / "tests" / name).read_text(encoding="utf-8")
+                if "tests.fork" in text or "from fork" in text:
+                    raise BuildError(f"tests/{name} is exported but imports the fork's own tests/fork/")
                 dest = repo / UPSTREAM_TEST_DIR / name
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src_root / "tests" / name, dest)
+                dest.write_text(text, encoding="utf-8")
             for rel in st.docs:
                 src = src_root / rel
                 if rel.startswith(PATCHES + "/"):
@@ -635,9 +708,22 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
             run("add", "-A")
             run("commit", "-q", "-m", st.title)
             diff = run("diff", "HEAD~1", "HEAD") + "".join(docs_diffs)
-            changed = sum(1 for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++ ", "--- ")))
-            if st.max_lines is not None and changed > st.max_lines:
-                raise BuildError(f"PR {st.name} changes {changed} lines, over its cap of {st.max_lines}")
+            sizes = _changed_lines(diff)
+            changed = sizes["code"] + sizes["docs"]
+            caps = [(sizes["code"], CODE_CAP, "code and tests"), (sizes["docs"], DOCS_CAP, "docs")]
+            caps += [(changed, st.max_lines, "in all")] if st.max_lines is not None else []
+            for value, cap, what in caps:
+                if value > cap:
+                    raise BuildError(f"PR {st.name} changes {value} lines of {what}, over its cap of {cap}")
+            added = _added_lines(diff)
+            later = [(name, other.name) for other in stages[st.number :] for name in other.provides]
+            for path, line in added:
+                for name, other in later:
+                    if name in line:
+                        raise BuildError(f"PR {st.name} mentions {name!r}, which only {other} adds: {path}: {line}")
+                for token in st.forbids:
+                    if token in line:
+                        raise BuildError(f"PR {st.name} adds {token!r}, which it must not: {path}: {line}")
             stat = run("diff", "--stat=100", "HEAD~1", "HEAD").rstrip()
             for d in docs_diffs:
                 for fp in parse_patch(d, st.name):
@@ -646,23 +732,93 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
             header = f"From: {PATCH_AUTHOR}\nSubject: [PATCH {st.number:02d}/{len(stages)}] {st.title}\n\n"
             patch_path = out_dir / f"{st.name}.patch"
             patch_path.write_text(header + "\n".join(d.strip() + "\n" for d in descriptions) + "\n" + diff)
-            md = write_pr_description(out_dir / f"{st.name}.md", st, changed, stat, src_root)
+            md = write_pr_description(out_dir / f"{st.name}.md", st, sizes, stat, src_root)
             written += [patch_path, md]
+            summary.append({"name": st.name, "title": st.title, "code": sizes["code"], "docs": sizes["docs"],
+                            "tests": st.tests, "fork_tests": st.fork_tests, "forbids": st.forbids})  # fmt: skip
+    (out_dir / "series.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return written
 
 
-def write_pr_description(out: Path, st: Stage, changed: int, diffstat: str, src_root: Path = ROOT) -> Path:
-    """Fill ``docs/pr/<stage>.md.in`` with the version, the size, the benchmark table and the diffstat."""
+def export_tutorials(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
+    """Copy the runnable recipes (``tutorials/``) into ``out_dir``, as a folder for MONAI's tutorials repository."""
+    src = src_root / TUTORIALS
+    written = []
+    for f in sorted(src.rglob("*")):
+        if f.is_file() and "__pycache__" not in f.parts:
+            dest = out_dir / f.relative_to(src)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dest)
+            written.append(dest)
+    return written
+
+
+def latest_bench_results(src_root: Path = ROOT) -> dict | None:
+    """The latest results of the benchmark (``benchmarks/output/results.json`` or the committed copy), or None."""
+    found = []
+    for rel in BENCH_RESULTS:
+        try:
+            found.append(json.loads((src_root / rel).read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return max(found, key=lambda r: str(r.get("date", ""))) if found else None
+
+
+def bench_table(ids: list[str], results: dict | None) -> str:
+    """The rows ``ids`` of a benchmark run as a markdown table, with the date, version and command of the run."""
+    if not ids:
+        return "This PR changes no measured path."
+    if results is None:
+        return "No benchmark results in this checkout: run `python benchmarks/bench_cache.py` and export again."
+    rows = results.get("rows", {})
+    lines = [
+        f"From the benchmark run of {results.get('date', '?')} with `{results.get('version', '?')}` "
+        f"(`{results.get('command', 'python benchmarks/bench_cache.py')}`; {results.get('machine', '')}):",
+        "",
+        "| measure | value | target | |",
+        "|---|---:|---|---|",
+    ]
+    for rid in ids:
+        row = rows.get(rid)
+        if row is None:
+            lines.append(f"| {rid} | not measured in that run | | |")
+            continue
+        verdict = "" if row.get("pass") is None else ("pass" if row["pass"] else "**miss**")
+        lines.append(f"| {row['label']} | {row['value']} | {row.get('target') or ''} | {verdict} |")
+    return "\n".join(lines)
+
+
+def write_pr_description(
+    out: Path, st: Stage, sizes: dict[str, int], diffstat: str, src_root: Path = ROOT
+) -> Path:
+    """Fill ``docs/pr/<stage>.md.in``: version, size, the tests kept in the fork, benchmark rows and the diffstat."""
     template = (src_root / "docs" / "pr" / f"{st.name}.md.in").read_text(encoding="utf-8")
-    results = src_root / "benchmarks" / "output" / "results.md"
-    if results.is_file():
-        bench = results.read_text(encoding="utf-8").strip()
-    else:
-        bench = "No benchmark run yet in this checkout: `python benchmarks/bench_cache.py` writes the table."
-    size = f"{changed} changed lines" + (f" (cap {st.max_lines})" if st.max_lines else "")
-    text = template.replace("{{VERSION}}", VERSION).replace("{{BENCHMARK}}", bench).replace("{{DIFFSTAT}}", diffstat)
-    out.write_text(text.replace("{{SIZE}}", size).replace("{{TITLE}}", st.title), encoding="utf-8")
+    changed = sizes["code"] + sizes["docs"]
+    size = f"{changed} changed lines ({sizes['code']} of code and tests, {sizes['docs']} of docs)"
+    fork_tests = "\n".join(
+        f"- `{FORK_TEST_DIR}/{name}`: {_module_summary(src_root / FORK_TEST_DIR / name)}" for name in st.fork_tests
+    )
+    values = {
+        "{{VERSION}}": VERSION,
+        "{{TITLE}}": st.title,
+        "{{SIZE}}": size,
+        "{{DIFFSTAT}}": diffstat,
+        "{{BENCHMARK}}": bench_table(st.bench, latest_bench_results(src_root)),
+        "{{FORK_TESTS}}": fork_tests or "None: every test of this PR runs in MONAI's CI.",
+    }
+    text = template
+    for key, value in values.items():
+        text = text.replace(key, value)
+    out.write_text(text, encoding="utf-8")
     return out
+
+
+def _module_summary(path: Path) -> str:
+    """The first line of a module's docstring."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else path.name
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -681,7 +837,7 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("patch", help="patches/NNNN-name.patch (created if new)")
     p.add_argument("files", nargs="*", help="upstream files (monai/...) to add to the patch")
     p.add_argument("--tree", default=str(ROOT / "build" / "tree"))
-    p = sub.add_parser("export-patch", help="write the upstream PR series (patches and descriptions)")
+    p = sub.add_parser("export-patch", help="write the upstream PR series (patches, descriptions) and the tutorials")
     p.add_argument("out", nargs="?", default=str(ROOT / "dist" / "pr"))
     sub.add_parser("wheel-path", help="print the verified upstream wheel path (downloads it if needed)")
     sub.add_parser("version", help="print the fork version")
@@ -702,6 +858,9 @@ def _main(argv: list[str] | None = None) -> int:
         elif args.cmd == "export-patch":
             for path in export_series(Path(args.out)):
                 print(path)
+            tutorials = Path(args.out).parent / "tutorials"
+            shutil.rmtree(tutorials, ignore_errors=True)
+            print(f"{tutorials}/ ({len(export_tutorials(tutorials))} files, for MONAI's tutorials repository)")
         elif args.cmd == "wheel-path":
             print(find_upstream_wheel())
         elif args.cmd == "version":

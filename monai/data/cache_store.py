@@ -8,206 +8,142 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""
-A serverless runtime cache shared by processes on one machine: every item is a file in a private directory
-(on ``/dev/shm`` by default), written atomically and read through a private copy-on-write memory mapping.
-
-See :py:class:`SharedCacheStore`. The item file format is in :py:mod:`monai.data.cache_format`, reading and the
-reuse of mappings in :py:mod:`monai.data.cache_mapping`, the item files of a directory and its faults in
-:py:mod:`monai.data.cache_items`, the coordination of processes (participation, claims, leftovers) in
-:py:mod:`monai.data.cache_coord`, the budget in :py:mod:`monai.data.cache_budget`.
-"""
+"""A runtime cache that the processes of one machine share without a server: :py:class:`SharedCacheStore`."""
 
 from __future__ import annotations
 
-import json
+import errno
+import hashlib
 import os
+import re
+import secrets
 import shutil
 import tempfile
 import threading
+import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from monai.data import cache_coord as coord
-from monai.data.cache_budget import Budget, scan_items
-from monai.data.cache_counters import COMPUTED, HITS, MISSES, REFUSED, Counters
-from monai.data.cache_format import _VERSION, MISS, _write_all
-from monai.data.cache_items import _TMP_DIR, ItemFiles
-from monai.data.cache_mapping import _POOL
+from monai.data import _cache_format as fmt
+from monai.data import _cache_locks as locks
 
-__all__ = ["MISS", "SharedCacheStore"]
+__all__ = ["SharedCacheStore"]
 
-_CLAIM_SUFFIX = ".claim"
-_META_FILE = ".meta"
-
-
-def _leave(path: str, held: coord.Held | None) -> None:
-    """Finalizer of a participating store: leave, and forget the mappings of the store if it was removed."""
-    if coord.leave_participation(path, held):
-        _POOL.purge(path + os.sep)
+_SAFE_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
+_TMP = ".tmp"
+# errors after which a process stops writing to the store: they do not go away by themselves
+_PERSISTENT = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", -1)}
+_WARN_LOCK = threading.Lock()
+_UNCACHED = "Items are computed without the cache from now on in this process."
 
 
-def _attach_pickled(cls: type[SharedCacheStore], path: str, claim_timeout: float) -> SharedCacheStore:
-    """Unpickle a store: attach to its directory without participating; a store whose directory is gone misses."""
+def _attach(cls: type[SharedCacheStore], path: str, claim_timeout: float) -> SharedCacheStore:
+    """Unpickle a store: attach to its directory without participating (a DataLoader worker, say)."""
+    store = cls.__new__(cls)
+    store._setup(path, claim_timeout)
     try:
-        return cls(path, participate=False, claim_timeout=claim_timeout)
+        locks.check_private(path)
     except FileNotFoundError as err:
-        store = cls.__new__(cls)
-        store._setup(path, claim_timeout)
         store._gone = True
         store._warn_once(f"the cache directory {path} is gone", err)
-        return store
+    return store
 
 
-class SharedCacheStore(ItemFiles):
+class SharedCacheStore:
     """
-    A runtime cache shared by all the processes of one machine, without a server: every item is a file in a private
-    directory, by default on ``/dev/shm`` (a RAM-backed file system), named after the item's content key.
+    A runtime cache for :py:class:`monai.data.CacheDataset` that all the processes of one machine share, without a
+    server process: every item is a file in a private directory, by default on ``/dev/shm`` (in memory).
 
-    Processes share a store by its :py:attr:`path`: the DataLoader workers of a process receive it with the dataset
-    (a store pickles as its path, so this works under ``fork``, ``spawn`` and ``forkserver``); other processes, such
-    as the DDP ranks of one node, attach with ``SharedCacheStore(path)``.
-
-    How it works, in the modules that do it: the item file format and what can be stored in
-    :py:mod:`monai.data.cache_format` (CPU tensors of any dtype, ``MetaTensor`` with its metadata, numpy arrays, any
-    picklable object; a tensor on another device is a ``TypeError``), copy-on-write reads in
-    :py:mod:`monai.data.cache_mapping`, claims and lifetime in :py:mod:`monai.data.cache_coord`, the budget in
-    :py:mod:`monai.data.cache_budget`. In short: an item is written to a temporary file and published with an atomic
-    ``os.replace``; every :py:meth:`get` returns a new object graph whose arrays and tensors are views of a private
-    copy-on-write mapping, so a caller may modify it in place (``reads_are_private`` is ``True`` and
-    ``CacheDataset`` skips its deepcopy); :py:meth:`get_or_compute` computes each missing item once across processes
-    and threads; the store is removed when its last participant closes (or dies), in any PID namespace.
-
-    Faults:
-        A removed directory, a full file system or a permission error never raises: this process warns once and
-        carries on as with a cache that misses (after a persistent write error such as ``ENOSPC`` it stops writing,
-        but still reads what is there). A removed directory is never created again. A malformed item file counts
-        as a miss and is removed.
-
-    Budget:
-        The DataLoader moves batches from its workers through shared memory, on the same ``/dev/shm`` by default,
-        so a store that filled it would make the DataLoader fail (Docker's default ``/dev/shm`` is 64 MB). An item
-        that would leave less than ``reserve`` bytes free, or take the store past ``max_bytes``, is computed and
-        returned without being stored; each process warns once, and ``stats()["refused"]`` counts such items.
-        See :py:mod:`monai.data.cache_budget` for the default.
-
-    Security:
-        Items are unpickled when read, which can run arbitrary code, so a store attaches only to a real directory
-        (not a symbolic link) owned by the current user and inaccessible to others (mode ``0o700``, as created).
+    A ``Manager().list()`` pickles every item through its server on every read, and holds a file descriptor per
+    tensor. Here an item is written once to a temporary file and published under its content key with an atomic
+    ``os.replace``; a read maps the file privately and copy-on-write, so the arrays and tensors of the item are views
+    of the mapping: no copy, no open descriptor, and the caller may modify them in place without affecting anyone.
+    ``CacheDataset(runtime_cache="process")`` makes one; DataLoader workers receive it with the dataset (it pickles
+    as its path, under ``fork``, ``spawn`` and ``forkserver``); other processes of the same user attach to it with
+    ``SharedCacheStore(path)``. When several processes miss the same item at once, one computes it, the others wait.
+    The store is removed when its last participant (the creator, and each process that attached by path) closes it
+    or dies; the directories of crashed runs are removed by the next store created in the same root.
 
     Args:
-        path: the directory of an existing store to attach to; ``None`` creates a new store.
-        root: where to create a new store: the directory named by the environment variable ``MONAI_CACHE_ROOT``
-            if set, else ``/dev/shm`` if it is a writable directory, else the system's temporary directory (macOS,
-            Windows). Only used when ``path`` is ``None``.
-        participate: whether this process keeps the store alive until it closes it (see
-            :py:mod:`monai.data.cache_coord`).
-        claim_timeout: how long, in seconds, :py:meth:`get_or_compute` waits for an item another process or thread
-            is computing before it computes the item itself without storing it.
-        reserve: bytes that the store keeps free on its file system, for the DataLoader's own shared memory (see
-            :py:mod:`monai.data.cache_budget`); ``None`` for ``MONAI_CACHE_RESERVE_BYTES`` if set, else half the file
-            system, at most 4 GiB. Only used when ``path`` is ``None``: the store's creator sets the budget for all its
-            users.
-        max_bytes: a cap on the total size of the store's items; ``None`` for ``MONAI_CACHE_MAX_BYTES`` if set,
-            else no cap. Only used when ``path`` is ``None``.
+        path: the directory of an existing store to attach to; ``None`` to create a new store.
+        root: where to create a new store (with ``path=None`` only): by default the directory named by the
+            environment variable ``MONAI_CACHE_ROOT``, else ``/dev/shm`` if writable, else the temporary directory.
+        claim_timeout: seconds :py:meth:`get_or_compute` waits for an item that another process or thread is
+            computing, before it computes the item itself, without storing it.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        PermissionError: ``path`` is not a private directory of the current user (see Security).
-        ValueError: ``claim_timeout``, ``reserve`` or ``max_bytes`` is negative, or ``root``, ``reserve`` or
-            ``max_bytes`` is given with ``path``.
-        FileNotFoundError: ``MONAI_CACHE_ROOT`` names no directory.
+        NotImplementedError: on a platform without ``fcntl`` (Windows).
+        FileNotFoundError: ``path`` does not exist, or ``MONAI_CACHE_ROOT`` names no directory.
+        PermissionError: ``path`` is not a private directory of this user.
+        ValueError: ``claim_timeout`` is negative, or both ``path`` and ``root`` are given.
 
     Example:
         .. code-block:: python
 
             store = SharedCacheStore()  # a new directory /dev/shm/monai-cache-*
-            store.resize(2)
-            store.put(0, "3f2a", {"image": torch.zeros(1, 8, 8)})
-            item = store.get(0, "3f2a")  # {"image": tensor(...)}, a private copy-on-write view
-            other = SharedCacheStore(store.path)  # e.g. in another process of the same user
-            other.get(0, "3f2a")
-            other.close()
-            store.close()  # the last participant to close removes the directory
+            ds = CacheDataset(data, transform, runtime_cache=store)
+            other = SharedCacheStore(store.path)  # in another process of this user, on this machine
+            store.close()  # the last participant to close (or exit) removes the directory
 
-    Limitations:
-        Keys map to file names: a key that is not ``[0-9A-Za-z_-]{1,128}`` is stored under its SHA-256 digest.
-        The key is also recorded in the file and checked on read, so a file for another key is a miss (which also
-        covers case-insensitive file systems). Windows is supported on a best-effort basis only: without ``fcntl``
-        nothing is removed (a store must be removed by hand), claims exclude no one (an item may be computed more
-        than once), there is no ownership or mode check, and an item that is being read cannot be replaced. A store
-        is for the processes of one machine: ``flock`` does not coordinate machines on a network file system.
+    Note:
+        A store never makes a job fail: a removed directory, a full file system or a permission error leads to one
+        warning per process, and the items are computed without the cache from then on (after ``ENOSPC`` the
+        process stops writing, but still reads). A damaged item file is a miss, and is removed.
+
+    Warning:
+        Items are unpickled when read, which can run code, so a store attaches only to a real directory owned by
+        this user and closed to others (mode ``0o700``, as created). Only CPU tensors can be stored. The store is for
+        the processes of one machine: file locks do not coordinate machines on a network file system.
     """
 
-    reads_are_private = True
+    supported = locks.AVAILABLE  # whether this platform can make stores (False without fcntl, as on Windows)
 
     def __init__(
-        self,
-        path: str | os.PathLike | None = None,
-        *,
-        root: str | os.PathLike | None = None,
-        participate: bool = True,
-        claim_timeout: float = 600.0,
-        reserve: int | None = None,
-        max_bytes: int | None = None,
+        self, path: str | os.PathLike | None = None, *, root: str | os.PathLike | None = None, claim_timeout=600.0
     ) -> None:
+        if not self.supported:
+            raise NotImplementedError(
+                "SharedCacheStore needs fcntl file locks, which this platform lacks. Use "
+                "CacheDataset(runtime_cache='process'), which here keeps the cache in a multiprocessing Manager list."
+            )
         if claim_timeout < 0:
             raise ValueError(f"claim_timeout must be non-negative, got {claim_timeout}.")
-        Budget("", reserve, max_bytes)  # checks the values before anything is created
-        if path is None:
-            root_dir = coord.default_root() if root is None else os.fspath(root)
-            coord.cleanup_leftovers(root_dir)
-            new_path = os.path.abspath(tempfile.mkdtemp(prefix=coord._PREFIX_DIR, dir=root_dir))
-            held = None
+        if path is not None:
+            if root is not None:
+                raise ValueError("root is where a new store is created: give path or root, not both.")
+            self._setup(os.path.abspath(os.fspath(path)), claim_timeout)
+            locks.check_private(self._path)
             try:
-                held = coord.create_participation(new_path)  # first: cleaners never see the store unheld
-                os.mkdir(os.path.join(new_path, _TMP_DIR), 0o700)
-                Budget.create(new_path, reserve, max_bytes)
-                self._setup(new_path, claim_timeout)
-            except BaseException:
-                shutil.rmtree(new_path, ignore_errors=True)
-                if held is not None:
-                    held.close()
-                raise
-            if participate:
-                self._hold(held)
-            elif held is not None:
-                held.close()  # a store that no one participates in: a leftover for the next cleanup
-            return
-        if root is not None or reserve is not None or max_bytes is not None:
-            raise ValueError("root, reserve and max_bytes are only used to create a new store (path=None).")
-        dir_path = os.path.abspath(os.fspath(path))
-        coord.check_private_dir(dir_path)
-        self._setup(dir_path, claim_timeout)
-        if participate:
-            try:
-                self._hold(coord.join_participation(dir_path))
-            except FileNotFoundError as err:  # removed by its last participant, or as a leftover, meanwhile
+                self._hold(locks.join(self._path))
+            except FileNotFoundError as err:  # removed by its last participant meanwhile
                 self._gone = True
-                self._warn_once(f"the cache directory {dir_path} is gone", err)
-                return
-        try:  # never os.makedirs: a store that has just been removed must not be created again
-            os.mkdir(self._tmp_dir, 0o700)
-        except FileExistsError:
-            pass
+                self._warn_once(f"the cache directory {self._path} is gone", err)
+            return
+        root = locks.default_root() if root is None else os.fspath(root)
+        locks.cleanup_leftovers(root)
+        new = os.path.abspath(tempfile.mkdtemp(prefix=locks.PREFIX, dir=root))
+        try:
+            held = locks.create(new)  # first: cleaners never see the store without a participant
+            os.mkdir(os.path.join(new, _TMP), 0o700)
+        except BaseException:
+            shutil.rmtree(new, ignore_errors=True)
+            raise
+        self._setup(new, claim_timeout)
+        self._hold(held)
 
     def _setup(self, path: str, claim_timeout: float) -> None:
-        self._path = path
-        self._tmp_dir = os.path.join(path, _TMP_DIR)
+        self._path, self._tmp = path, os.path.join(path, _TMP)
         self._claim_timeout = float(claim_timeout)
-        self._gone = False  # the directory was removed (or this store closed): always miss
+        self._gone = False  # closed, or the directory is gone: always miss
         self._writable = True  # False after a persistent write error
-        self._local = threading.local()  # per thread: the claims it holds
+        self._claims = threading.local()  # the claims each thread holds
+        self._warned: set[tuple[int, str]] = set()  # (pid, what): each process warns once per store
         self._finalizer: weakref.finalize | None = None
-        self._budget = Budget.load(path)  # as recorded by the process that created the store
-        self._counters = Counters(path)
-        self._warned: set[tuple[int, str]] = set()  # (pid, what): not keyed by id(), which a later store may reuse
 
-    def _hold(self, held: coord.Held | None) -> None:
-        # runs at close(), at garbage collection and at interpreter exit; a forked child no longer holds anything
-        if held is not None:
-            self._finalizer = weakref.finalize(self, _leave, self._path, held)
+    def _hold(self, held: locks.Held) -> None:
+        # at close(), garbage collection or exit; in a forked child the inherited lock is already closed
+        self._finalizer = weakref.finalize(self, locks.leave, self._path, held)
 
     @property
     def path(self) -> str:
@@ -218,180 +154,195 @@ class SharedCacheStore(ItemFiles):
         return f"{type(self).__name__}({self._path!r})"
 
     def __reduce__(self) -> tuple:
-        """Pickle as the path: unpickling attaches to the same directory with ``participate=False``."""
-        return _attach_pickled, (type(self), self._path, self._claim_timeout)
+        return _attach, (type(self), self._path, self._claim_timeout)
 
-    # -- slots ----------------------------------------------------------------------------------------------------
-
-    def __len__(self) -> int:
+    def get(self, key: str, default: Any = None) -> Any:
         """
-        The capacity last set by :py:meth:`resize` in any process.
+        Args:
+            key: the content key of the item.
+            default: what to return if no item is stored under ``key``.
 
         Returns:
-            the number of slots, ``0`` if never set or unreadable.
+            a new object graph of the item, whose arrays and tensors are private copy-on-write views, or ``default``.
         """
-        try:
-            with open(os.path.join(self._path, _META_FILE), "rb") as f:
-                return int(json.loads(f.read())["capacity"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return 0
+        item = self._read(key)
+        return default if item is fmt.MISS else item
 
-    def resize(self, n: int) -> None:
+    def put(self, key: str, item: Any) -> bool:
         """
-        Record the capacity ``n``, seen by every process. Items are addressed by key, so none is removed.
+        Store ``item`` under ``key``, atomically replacing what is stored under it.
 
         Args:
-            n: the number of slots.
+            key: the content key of the item.
+            item: any picklable object; its tensors must be on the CPU.
+
+        Returns:
+            whether the item was stored (not after a fault of the file system, see the class documentation).
 
         Raises:
-            ValueError: ``n`` is negative.
+            TypeError: ``item`` holds a tensor that is not on the CPU.
         """
-        if n < 0:
-            raise ValueError(f"the capacity must be non-negative, got {n}.")
-        if self._gone:
-            return
-        meta = memoryview(json.dumps({"capacity": int(n), "format": _VERSION}).encode())
-        dest = os.path.join(self._path, _META_FILE)
-        self._publish("meta", dest, lambda fd: _write_all(fd, meta), "cannot record the capacity")
+        if self._gone or not self._writable:
+            return False
+        chunks, total = fmt.encode(key, item)  # raises before any file is made
+        tmp = os.path.join(self._tmp, f"{self._stem(key)}-{secrets.token_hex(8)}")
+        try:
+            held = locks.open_temp(tmp)
+            try:
+                fmt.write_item(held.fd, chunks, total)
+                os.replace(tmp, self._file(key, ".item"))
+            finally:
+                held.close()
+        except OSError as err:
+            locks.unlink_quiet(tmp)
+            self._fault("cannot write items", err)
+            return False
+        except BaseException:
+            locks.unlink_quiet(tmp)
+            raise
+        locks.clean_dead_temps(self._tmp)
+        return True
 
-    def get_or_compute(self, index: int, key: str, compute: Callable[[], Any]) -> Any:
+    def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
         """
-        Return the item stored under ``key``; on a miss compute and store it, once across processes and threads.
+        The item stored under ``key``; on a miss, ``compute()`` stored under ``key``, computed once across the
+        processes and threads that miss it at the same time.
 
         Args:
-            index: the slot, informational only: items are addressed by ``key``.
             key: the content key of the item.
-            compute: computes the item; called at most once per call, and not at all on a hit.
+            compute: makes the item; called at most once, and not on a hit.
 
         Returns:
             the item.
 
         Raises:
-            Exception: whatever ``compute`` raises (the claim is released first), or what :py:meth:`put` raises.
+            Exception: whatever ``compute`` raises.
         """
-        item = self.get(index, key)
-        if item is not MISS:
-            self._counters.add(HITS)
+        item = self._read(key)
+        if item is not fmt.MISS:
             return item
-        self._counters.add(MISSES)
-        item, _ = self._compute_once(index, key, compute, lambda: self.get(index, key), wait=True)
+        if self._gone or not self._writable:
+            return compute()
+        claims = self._claims.__dict__.setdefault("held", set())
+        try:
+            item, late = locks.compute_once(
+                self._file(key, ".claim"), lambda: self._read(key), compute, lambda x: self.put(key, x),
+                self._claim_timeout, claims, fmt.MISS,
+            )  # fmt: skip
+        except locks.ClaimUnavailable as err:
+            self._fault("cannot create claim files", err)
+            return compute()
+        if late:
+            self._warn_once(
+                "waited too long for an item that another process computes",
+                f"claim_timeout={self._claim_timeout} s",
+                then="This process computed it without storing it.",
+            )
         return item
 
-    def fill(self, index: int, key: str, compute: Callable[[], Any], wait: bool = True) -> bool:
+    def discard(self, keys: Iterable[str]) -> None:
         """
-        Make sure that an item is stored under ``key``, without reading it: compute and store it unless it is
-        stored already or (with ``wait=False``) another process or thread is computing it.
+        Remove the items stored under ``keys``, and nothing else: other datasets may keep items in the same store.
 
         Args:
-            index: the slot, informational only: items are addressed by ``key``.
-            key: the content key of the item.
-            compute: computes the item; called at most once, and only if no other process has stored it.
-            wait: whether to wait for another process or thread computing the item (and to compute it if that one
-                dies or does not publish it within ``claim_timeout``), rather than return ``False`` at once.
-
-        Returns:
-            ``False`` if the item is being computed elsewhere and ``wait`` is ``False``, else ``True`` (the item is
-            stored, or was computed but refused by the budget, or the store is unusable).
-
-        Raises:
-            Exception: whatever ``compute`` raises (the claim is released first), or what :py:meth:`put` raises.
+            keys: the content keys of the items.
         """
-        path = self._item_path(key)
-        present = lambda: True if os.path.exists(path) else MISS  # noqa: E731
-        if self._gone or not self._writable or present() is True:
-            return True  # an item that could not be stored would be computed for nothing
-        _, done = self._compute_once(index, key, compute, present, wait)
-        return done
-
-    def _compute_once(
-        self, index: int, key: str, compute: Callable[[], Any], lookup: Callable[[], Any], wait: bool
-    ) -> tuple[Any, bool]:
-        def counted() -> Any:
-            self._counters.add(COMPUTED)
-            return compute()
-
-        def publish(item: Any) -> None:
-            self.put(index, key, item)  # counts the item as refused if it is not stored
-
-        if self._gone or not self._writable:
-            item = counted()
-            self._counters.add(REFUSED)
-            return item, True
-        claim = self._claim_path(key)
-        try:
-            item, timed_out = coord.compute_once(
-                claim, lookup, counted, publish, self._claim_timeout, self._held_claims(), MISS, wait
-            )
-        except coord.ClaimUnavailable as err:
-            self._fault("cannot create claim files", err)
-            item, timed_out = counted(), False
-            self._counters.add(REFUSED)
-        if timed_out:
-            self._counters.add(REFUSED)
-            timeout = TimeoutError(f"{claim} was held for more than claim_timeout={self._claim_timeout} s")
-            self._warn_once("waited too long for another process to compute an item", timeout)
-        return item, item is not MISS  # MISS only without waiting, for an item being computed elsewhere
-
-    def _held_claims(self) -> set[str]:
-        held = getattr(self._local, "claims", None)
-        if held is None:
-            held = self._local.claims = set()
-        return held  # type: ignore[no-any-return]
+        for key in keys:
+            if self._gone:
+                return
+            try:
+                os.unlink(self._file(key, ".item"))
+            except FileNotFoundError:
+                if not os.path.isdir(self._path):
+                    self._fault("cannot remove items", FileNotFoundError(errno.ENOENT, "no directory", self._path))
+            except OSError as err:
+                self._fault("cannot remove items", err)
 
     def stats(self) -> dict[str, int]:
         """
-        Count the items of the store and the events of all its processes (one directory scan; any process can call
-        it, including processes that only read).
-
         Returns:
-            ``{"filled": number of items, "capacity": len(self), "nbytes": total size of the item files,
-            "hits", "misses": reads by :py:meth:`get_or_compute` that found / did not find the item,
-            "computed": items computed by :py:meth:`get_or_compute` and :py:meth:`fill`, "refused": items computed
-            but not stored (budget, see Budget, or a file system fault)}``, the counts over all processes that
-            used the store, including those that are gone.
+            ``{"filled": the number of items stored, "nbytes": their total size in bytes}``, in one directory scan.
         """
-        filled, nbytes = scan_items(self._path)
-        return {"filled": filled, "capacity": len(self), "nbytes": nbytes, **self._counters.total()}
-
-    def process_stats(self) -> dict[str, int]:
-        """
-        The events of this process (``hits``, ``misses``, ``computed``, ``refused``, as in :py:meth:`stats`).
-
-        Returns:
-            the counts of this process, through this object and the copies it passed to its DataLoader workers
-            before they started (each worker counts for itself).
-        """
-        return self._counters.local()
-
-    # -- lifetime -------------------------------------------------------------------------------------------------
+        filled = nbytes = 0
+        try:
+            with os.scandir(self._path) as it:
+                for entry in it:
+                    if entry.name.endswith(".item"):
+                        filled, nbytes = filled + 1, nbytes + entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            pass
+        return {"filled": filled, "nbytes": nbytes}
 
     def close(self) -> None:
         """
-        Stop using the store in this object. If it participates, release its participation and, if no participant
-        remains in any process, remove the whole directory. Idempotent; a forked child (e.g. a DataLoader worker)
-        that inherited a participating store holds no participation, so it only disables its copy.
+        Stop using the store in this object; if no participant is left in any process, remove the directory.
+        Idempotent. A copy that a forked or spawned process received (a DataLoader worker's) never removes it.
         """
         self._gone = True
         if self._finalizer is not None:
-            self._finalizer()  # a weakref.finalize runs at most once
-        _POOL.purge(os.path.join(self._path, ""))
+            self._finalizer()
 
     @staticmethod
     def cleanup_leftovers(root: str | os.PathLike | None = None) -> list[str]:
-        """Remove the store directories left in ``root`` by processes that are gone: ``monai-cache-*`` directories of
-        the current user in which no process participates (see :py:mod:`monai.data.cache_coord`). Directories without a
-        lock file (being created, or of crashed creators) are removed only once they have not been modified for a few
-        seconds.
+        """
+        Remove the store directories of crashed runs: the ``monai-cache-*`` directories of this user in ``root`` in
+        which no process participates. Every new store does this in its root.
 
         Args:
-            root: the directory to clean; by default the default root of new stores.
+            root: the directory to clean; by default where new stores are created.
 
         Returns:
-            the removed directories.
+            the directories removed.
         """
-        return coord.cleanup_leftovers(coord.default_root() if root is None else os.fspath(root))
+        return locks.cleanup_leftovers(locks.default_root() if root is None else os.fspath(root))
 
-    # -- helpers --------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _stem(key: str) -> str:
+        return key if _SAFE_KEY.fullmatch(key) else hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
-    def _claim_path(self, key: str) -> str:
-        return os.path.join(self._path, self._stem(key) + _CLAIM_SUFFIX)
+    def _file(self, key: str, suffix: str) -> str:
+        return os.path.join(self._path, self._stem(key) + suffix)
+
+    def _read(self, key: str) -> Any:
+        if self._gone:
+            return fmt.MISS
+        path = self._file(key, ".item")
+        try:
+            buf, ino = fmt.read_file(path)
+            return fmt.decode(buf, key)
+        except FileNotFoundError:
+            return fmt.MISS
+        except OSError as err:
+            self._warn_once("cannot read items", err)
+        except fmt.CorruptItem:
+            try:
+                if os.lstat(path).st_ino == ino:  # not one published since
+                    os.unlink(path)
+            except OSError:
+                pass
+        except Exception as err:  # e.g. a class that this process cannot import
+            self._warn_once("cannot unpickle items", err)
+        return fmt.MISS
+
+    def _fault(self, what: str, err: OSError) -> None:
+        """Degrade after an error of the file system: warn once, and stop using the store or writing to it."""
+        if not os.path.isdir(self._path):
+            self._gone = True
+            what = f"the cache directory {self._path} is gone"
+        elif isinstance(err, FileNotFoundError) and not os.path.isdir(self._tmp):
+            try:  # only the store's own subdirectory, never the store itself
+                os.mkdir(self._tmp, 0o700)
+            except OSError:
+                pass
+        elif err.errno in _PERSISTENT:
+            self._writable = False
+        self._warn_once(what, err)
+
+    def _warn_once(self, what: str, why: object, then: str = _UNCACHED) -> None:
+        """Warn, once per process and store, that ``what`` (because of ``why``), and ``then``."""
+        with _WARN_LOCK:
+            if (os.getpid(), what) in self._warned:
+                return
+            self._warned.add((os.getpid(), what))
+        why = f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else why
+        warnings.warn(f"SharedCacheStore {self._path}: {what} ({why}). {then}", RuntimeWarning, stacklevel=3)

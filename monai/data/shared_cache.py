@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from monai.data.cache_budget import Budget
+from monai.data._cache_budget import check_bytes
 from monai.data.cache_store import SharedCacheStore
 
 if TYPE_CHECKING:
@@ -107,108 +107,84 @@ def _failures(nodes: list[str], outcomes: list[Any]) -> list[str]:
 def create_shared_cache(
     group: ProcessGroup | None = None,
     *,
-    path: str | os.PathLike | None = None,
+    root: str | os.PathLike | None = None,
     node_id: str | None = None,
     timeout: float | None = None,
-    root: str | os.PathLike | None = None,
     reserve: int | None = None,
     max_bytes: int | None = None,
 ) -> SharedCacheStore:
     """
-    Create one :py:class:`~monai.data.cache_store.SharedCacheStore` per node for the ranks of ``group``: the ranks
-    of a node (and their DataLoader workers) share one cache, so every item is computed once per node and held once
-    in its memory. Pass the store to ``CacheDataset(data, transform, runtime_cache=store)`` on every rank.
+    Create one :py:class:`~monai.data.SharedCacheStore` per node for the ranks of ``group``: the ranks of a node, and
+    their DataLoader workers, share one cache, so every item is computed once per node and held once in its memory.
+    Pass the store to ``CacheDataset(data, transform, runtime_cache=store)`` on every rank.
 
-    .. warning::
+    The ranks exchange their node identities (small objects over ``all_gather_object``, so any backend works); the
+    lowest rank of each node creates the node's store, which also removes the leftovers of crashed runs in ``root``;
+    the other ranks of the node attach to it by its path; a last exchange makes sure that every rank has attached
+    before any returns (and may close). Only node identities, paths and error messages cross the network, no data.
 
-        **This is a collective call.** Every rank of ``group`` must call it, once, in the same order relative to
-        the other collective calls of that group (and, with ``group=None``, of the world). A rank that does not
-        call it makes the others wait (until ``timeout``, if given). This is deliberate: a dataset constructor must
-        not make hidden collective calls, which deadlock as soon as the ranks build their datasets in different
-        orders or one rank builds none (MONAI issues #5365 and #5630), so ``CacheDataset`` never contacts other
-        ranks and this function is the one explicit place where the ranks agree on a cache.
+    Every rank participates in its node's store: the directory is removed when the last rank of the node closes it or
+    exits, so a rank that finishes early does not pull the cache from under the others. Without an initialized
+    ``torch.distributed`` process group this is a new store of this process, as ``runtime_cache="process"`` makes.
 
-    How it works: the ranks exchange their node identities (small Python objects over ``all_gather_object``, so
-    any backend works); the lowest rank of each node creates a new store (``SharedCacheStore(root=path)``, a private
-    ``0o700`` directory ``monai-cache-*``, which also removes the leftovers of crashed runs in that root); its path
-    is exchanged and the other ranks of the node attach to it; a last exchange makes sure every rank has registered
-    before any rank returns. No cache data crosses nodes: only node identities, paths and error messages are sent.
+    With ``group=None`` and a GPU-only backend (nccl), or with a ``timeout``, the exchange runs over a short-lived gloo
+    group, made and destroyed here, so no GPU is needed. For a subgroup without a CPU backend, ``all_gather_object``
+    runs on ``torch.cuda.current_device()``: set each rank's device before calling, as for any object collective.
 
-    Lifetime: every rank participates in the store. The directory is removed when the last rank of the node that
-    uses it calls ``store.close()`` or exits (also at garbage collection of the store); a rank that finishes early
-    does not pull the cache from under the others. DataLoader workers receive the store with the dataset and never
-    remove it.
-
-    Without ``torch.distributed`` (not available, or no process group initialized) this is a local store, as
-    ``runtime_cache="process"`` makes, owned by this process.
-
-    Backends: with ``group=None`` (the world) and a GPU-only backend such as nccl, or with a ``timeout``, the
-    exchange runs over a short-lived gloo group created and destroyed here (so no CUDA device is needed). For a
-    subgroup without a CPU backend, ``all_gather_object`` runs on ``torch.cuda.current_device()``: set each rank's
-    device (``torch.cuda.set_device(local_rank)``) before calling, as for any object collective with nccl.
+    Warning:
+        **This is a collective call.** Every rank of ``group`` calls it once, in the same order relative to the other
+        collective calls of the group (and, with ``group=None``, of the world); a rank that does not call it makes the
+        others wait, until ``timeout`` if given. This is on purpose: a dataset constructor must not make hidden
+        collective calls, which deadlock as soon as the ranks build their datasets in different orders or one rank
+        builds none (MONAI issues #5365 and #5630). ``CacheDataset`` never contacts other ranks: this function is
+        the one explicit place where the ranks agree on a cache.
 
     Args:
-        group: the process group whose ranks share caches by node; ``None`` for the world. The caller must be a
+        group: the process group whose ranks share caches by node; ``None`` for the world. This process must be a
             member of it.
-        path: the directory in which each node's store directory is created (only the value given on the lowest
-            rank of each node is used); ``None`` for the directory named by ``MONAI_CACHE_ROOT`` if set, else
-            ``/dev/shm``, or the system's temporary directory where there is no ``/dev/shm``. Every rank of a node
-            must see the same file system there. A local disk, or a tmpfs mounted with ``huge=within_size``, leaves
-            ``/dev/shm`` to the DataLoader.
-        node_id: the identity of this process's node; ranks with the same identity share one store, so they must
-            run on one machine (and see the same ``path``). Defaults to the environment variable
-            ``MONAI_CACHE_NODE_ID`` if set, else ``socket.gethostname()``.
-        timeout: bound, in seconds, on every wait of the exchange, such as for a rank that never calls this function;
-            ``None`` waits as long as the group's own timeout. With ``group=None`` every exchange runs over a new
-            gloo group with this timeout. With a subgroup, which must then be a gloo group, a
-            ``monitored_barrier`` with this timeout waits for the ranks to arrive, and the rest of the exchange (which
-            then only waits for ranks that are already inside this function) is bounded by the group's own timeout.
-        root: another name of ``path`` (as in ``SharedCacheStore(root=...)``); give one of them at most.
-        reserve: bytes each node's store keeps free on its file system for the DataLoader's shared memory; ``None``
-            for ``MONAI_CACHE_RESERVE_BYTES`` if set, else half the file system, at most 4 GiB. See
-            :py:class:`monai.data.SharedCacheStore` (Budget). Only the lowest rank's value counts on each node.
-        max_bytes: a cap on the total size of each node's store; ``None`` for ``MONAI_CACHE_MAX_BYTES`` if set,
-            else no cap. Only the lowest rank's value counts on each node.
+        root: where each node's store is created (the value of the lowest rank of each node counts); ``None`` for
+            ``MONAI_CACHE_ROOT`` if set, else ``/dev/shm``, else the temporary directory. The ranks of a node must see
+            the same file system there.
+        node_id: the identity of this process's node: ranks with the same identity share a store, so they must run on
+            one machine. Defaults to the environment variable ``MONAI_CACHE_NODE_ID`` if set, else the host name.
+        timeout: bound, in seconds, on every wait of the exchange, such as for a rank that never calls this
+            function; ``None`` for the group's own timeout. With a subgroup, which must then be a gloo group, a
+            ``monitored_barrier`` with this timeout waits for the ranks to arrive.
+        reserve: bytes each node's store keeps free on its file system for the DataLoader's shared memory (see
+            :py:class:`~monai.data.SharedCacheStore`; the value of the lowest rank of each node counts).
+        max_bytes: a cap on the total size of each node's store (the value of the lowest rank of each node counts).
 
     Returns:
-        this rank's handle of its node's store, registered as a participant. Pass it as ``runtime_cache``, and
-        optionally call ``close()`` on it when the rank no longer needs the cache.
+        this rank's handle of its node's store. Pass it as ``runtime_cache``; ``close()`` it when the rank no longer
+        needs the cache, or let it be closed at exit.
 
     Raises:
-        ValueError: ``timeout`` is not positive, ``reserve`` or ``max_bytes`` is negative, both ``path`` and
-            ``root`` are given, this process is not a member of ``group``, or ``timeout`` is given with a subgroup
-            that is not a gloo group.
-        RuntimeError: on every rank, if the store of any node could not be created or any rank could not attach to
-            its node's store (for example because ranks on different machines report the same node identity); the
-            message names the ranks and errors. Errors of the collectives themselves (such as a timeout) are raised
-            as ``torch.distributed`` raises them.
-        FileNotFoundError, PermissionError: without ``torch.distributed``, if the store cannot be created in ``path``.
+        NotImplementedError: on a platform without ``fcntl`` (Windows), on every rank before any collective call.
+        ValueError: ``timeout`` is not positive, ``reserve`` or ``max_bytes`` is negative, this process is not a
+            member of ``group``, or ``timeout`` is given with a subgroup that is not a gloo group.
+        RuntimeError: on every rank, if any node's store could not be made or any rank could not attach to its node's
+            store (ranks on different machines with one node identity, say); the message names the ranks and errors.
+            Errors of the collectives themselves (a timeout) are raised as ``torch.distributed`` raises them.
 
     Example:
         .. code-block:: python
 
-            import torch.distributed as dist
-            from monai.data import CacheDataset, DataLoader, create_shared_cache
-            from torch.utils.data.distributed import DistributedSampler
-
-            dist.init_process_group("gloo")  # e.g. under torchrun
+            dist.init_process_group("gloo")  # under torchrun, say
             store = create_shared_cache()  # collective: every rank calls it, once
             ds = CacheDataset(data, transform, runtime_cache=store)  # makes no collective call
             loader = DataLoader(ds, batch_size=2, num_workers=2, sampler=DistributedSampler(ds))
-            for epoch in range(epochs):
-                loader.sampler.set_epoch(epoch)
-                for batch in loader:
-                    ...
-            store.close()  # optional: the node's cache is removed when its last rank closes or exits
     """
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
-    if root is not None and path is not None:
-        raise ValueError("create_shared_cache: give `root` or `path` (two names of one argument), not both.")
-    path = root if root is not None else path
-    Budget("", reserve, max_bytes)  # checks the values on every rank before any collective
+    check_bytes("reserve", reserve)  # on every rank, before any collective
+    check_bytes("max_bytes", max_bytes)
+    if not SharedCacheStore.supported:
+        raise NotImplementedError(
+            "create_shared_cache needs SharedCacheStore, which needs fcntl file locks, missing on this platform. Give "
+            "each rank its own cache instead: CacheDataset(..., runtime_cache=False) or runtime_cache='process'."
+        )
     if not (dist.is_available() and dist.is_initialized()):
-        return SharedCacheStore(root=path, reserve=reserve, max_bytes=max_bytes)
+        return SharedCacheStore(root=root, reserve=reserve, max_bytes=max_bytes)
     if dist.get_rank(group) < 0:
         raise ValueError("create_shared_cache: this process is not a member of `group`.")
     node = _node_identity(node_id)
@@ -222,12 +198,12 @@ def create_shared_cache(
         created: tuple[str, str] | None = None
         if me == creator:
             try:
-                store = SharedCacheStore(root=path, reserve=reserve, max_bytes=max_bytes)
+                store = SharedCacheStore(root=root, reserve=reserve, max_bytes=max_bytes)
                 created = (_OK, store.path)
             except Exception as err:  # every rank must learn of it, and none may hang waiting for a path
                 created = (
                     _ERROR,
-                    f"cannot create a store in {path or 'the default root'}: {type(err).__name__}: {err}",
+                    f"cannot create a store in {root or 'the default root'}: {type(err).__name__}: {err}",
                 )
         # 2. the path of every node's store (or an error marker); a failure anywhere fails every rank alike
         outcomes = _all_gather(created, exchange)
@@ -237,7 +213,7 @@ def create_shared_cache(
         attached: tuple[str, str] = (_OK, "")
         if me != creator:
             try:
-                store = SharedCacheStore(outcomes[creator][1], participate=True)
+                store = SharedCacheStore(outcomes[creator][1])
             except Exception as err:
                 attached = (
                     _ERROR,

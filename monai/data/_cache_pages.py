@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-Whether a mapping of an item file that the mapping pool of :py:mod:`monai.data.cache_mapping` takes back is still
+Whether a mapping of an item file that the mapping pool of :py:mod:`monai.data._cache_pool` takes back is still
 pristine: no page written since it was made.
 
 A mapping handed back to the pool must hold exactly the file's content: no page written (a private copy) since it

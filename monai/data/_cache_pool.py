@@ -9,27 +9,18 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-Reading item files of a :py:class:`monai.data.SharedCacheStore`: private copy-on-write mappings that hold no file
-descriptor, and the per-process pool that reuses them.
+The Linux fast path of :py:class:`monai.data.SharedCacheStore` reads: a per-process pool of private mappings of
+item files, reused with their page tables.
 
-A hit must cost neither a copy nor an open descriptor (a dataset may hold thousands of items at once), and every
-reader must get a private copy that it may write to. A ``MAP_PRIVATE`` mapping gives both. The mapping is made
-through libc on POSIX: ``mmap.mmap`` keeps a dup of the descriptor before Python 3.13, and on any version its
-mappings could not be handed on to a later read with their page tables (the pool below). Small files are simply read.
+A read through a fresh mapping pays a page fault for every page the reader touches, and an ``munmap`` at the end:
+for a random crop of a large image, most of a hit's cost (the benchmark of this layer's pull request measures it
+with the pool and without). When all the views of a mapping are gone and
+none of its pages was written (checked in the page tables, :py:mod:`monai.data._cache_pages`), this process keeps
+the mapping for the next read of the same unchanged file; a mapping reused once is populated and write-watched, so
+later hits take no fault. A written mapping is always unmapped, so every reader still gets a private, pristine copy.
 
-Reading:
-    A file is mapped with a private, copy-on-write mapping (files under 64 KiB are simply read into a private
-    buffer) and no file descriptor stays open. Arrays and tensors of the item are views of that mapping: reading
-    costs no copy, and their pages are shared with the page cache until someone writes to them.
-
-    Every :py:meth:`~monai.data.SharedCacheStore.get` returns a new object graph over its own private mapping, so a
-    caller may modify an item in place (as random transforms do) without affecting the cache or any other reader. When
-    all views of a mapping are gone and none of its pages was written (checked in the page tables, see
-    :py:func:`_keep`), the process keeps the mapping, with its page tables, for the next read of the same unchanged
-    file: repeated hits of an item then cost no new page faults and no ``munmap``. A mapping reused once is populated
-    and write-watched, so that later hits take no fault and the check costs one system call. A written mapping is
-    always unmapped. ``reads_are_private`` is therefore ``True``, and ``CacheDataset`` skips its deepcopy of cached
-    items.
+It needs Linux (``/proc/self/pagemap``) and libc's ``mmap`` through ``ctypes``, and turns itself off elsewhere, or
+with ``MONAI_CACHE_FAST_PATH=0``: reads then map each file afresh (:py:func:`monai.data._cache_format.read_file`).
 """
 
 from __future__ import annotations
@@ -37,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -44,10 +36,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from monai.data.cache_format import _ALIGN, _SMALL_FILE
-from monai.data.cache_pages import _UNMAP, _WATCH, _keep
-
-_O_BINARY = getattr(os, "O_BINARY", 0)  # Windows: no newline translation
+from monai.data._cache_pages import _UNMAP, _WATCH, _keep
 
 _LIBC: Any = None
 _LIBC_LOADED = False
@@ -186,9 +175,13 @@ class _MappingPool:
         _WATCH.after_fork_in_child()
 
 
-_POOL = _MappingPool()
+POOL = _MappingPool()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_POOL.after_fork_in_child)
+    os.register_at_fork(after_in_child=POOL.after_fork_in_child)
+# the one place that decides: Linux (page tables in /proc/self/pagemap) and libc's mmap, unless turned off
+ENABLED = (
+    sys.platform.startswith("linux") and os.environ.get("MONAI_CACHE_FAST_PATH", "1") != "0" and _libc() is not None
+)
 _PAGE = mmap.PAGESIZE
 
 
@@ -211,23 +204,21 @@ class _PrivateMapping:
 
     def __del__(self) -> None:
         try:
-            _POOL.release(self._libc, self._ident, self._addr, self._size, self._state)
+            POOL.release(self._libc, self._ident, self._addr, self._size, self._state)
         except Exception:
             pass
 
 
-def _map_private(fd: int, size: int, ident: tuple | None = None) -> memoryview:
+def map_private(fd: int, size: int, ident: tuple | None = None) -> memoryview:
     """
     A writable, private, copy-on-write mapping of the whole file ``fd``; the caller may close ``fd`` at once.
 
     ``ident`` (path, device, inode, size, modification time) lets an unwritten mapping of the same file be reused.
     """
     libc = _libc()
-    if libc is None:  # e.g. Windows: the mapping keeps a handle of its own
-        return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
-    if size < _POOL.MIN_SIZE:
+    if size < POOL.MIN_SIZE:
         ident = None  # not pooled: unmapped with its last view
-    found = _POOL.take(ident) if ident is not None else None
+    found = POOL.take(ident) if ident is not None else None
     if found is None:
         prot = mmap.PROT_READ | mmap.PROT_WRITE  # type: ignore[attr-defined]
         addr = libc.mmap(None, size, prot, mmap.MAP_PRIVATE, fd, 0)  # type: ignore[attr-defined]
@@ -236,34 +227,3 @@ def _map_private(fd: int, size: int, ident: tuple | None = None) -> memoryview:
             raise OSError(err, os.strerror(err))
         found = addr, 0
     return memoryview(cast(Any, np.asarray(_PrivateMapping(libc, found[0], size, ident, found[1]))))
-
-
-def _read_small(fd: int, size: int) -> memoryview:
-    """Read a small file into a private, writable, 64-byte aligned buffer."""
-    arr = np.empty(size + _ALIGN, dtype=np.uint8)
-    start = -arr.ctypes.data % _ALIGN
-    view = memoryview(cast(Any, arr[start : start + size]))
-    pos = 0
-    while pos < size:
-        if hasattr(os, "readv"):
-            n = os.readv(fd, [view[pos:]])
-        else:  # Windows
-            chunk = os.read(fd, size - pos)
-            n = len(chunk)
-            view[pos : pos + n] = chunk
-        if n <= 0:
-            break
-        pos += n
-    return view[:pos]
-
-
-def _read_file(path: str) -> tuple[memoryview, int]:
-    """The content of ``path`` as a private writable buffer, and the file's inode; no descriptor stays open."""
-    fd = os.open(path, os.O_RDONLY | _O_BINARY)
-    try:
-        st = os.fstat(fd)
-        if st.st_size < _SMALL_FILE:
-            return _read_small(fd, st.st_size), st.st_ino
-        return _map_private(fd, st.st_size, (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)), st.st_ino
-    finally:
-        os.close(fd)

@@ -1,0 +1,104 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+How much of its file system a :py:class:`monai.data.SharedCacheStore` may fill: room for the DataLoader.
+
+The DataLoader hands every batch from a worker to the main process through shared memory, by default files in
+``/dev/shm``: the store's file system. A store that filled it would not fail itself, but the next batch would
+(``unable to allocate shared memory``), and Docker gives containers a 64 MB ``/dev/shm``. So a store never writes an
+item that would leave less than a reserve free on its file system, nor one past an optional cap on its own size: such
+items are computed and returned without being stored. The default reserve is half the file system, at most 4 GiB (8
+workers x a prefetch of 2 x a 256 MiB batch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+
+ENV_RESERVE = "MONAI_CACHE_RESERVE_BYTES"  # the reserve of new stores, in bytes
+ENV_MAX_BYTES = "MONAI_CACHE_MAX_BYTES"  # the cap of new stores, in bytes
+_FILE = ".budget"
+_RESCAN = 1.0  # seconds between two scans of the store's size, per process
+
+
+def default_reserve(total: int) -> int:
+    """The reserve kept free on a file system of ``total`` bytes: half of it, at most 4 GiB."""
+    return min(total // 2, 4 << 30)
+
+
+def check_bytes(name: str, value: int | None) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{name} must be None or a non-negative number of bytes, got {value!r}.")
+    return value
+
+
+def _env_bytes(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r} must be a non-negative number of bytes.")
+    return int(value)
+
+
+class Budget:
+    """The reserve and cap of one store, as its creator recorded them for all its users."""
+
+    def __init__(self, path: str, reserve: int | None = None, max_bytes: int | None = None) -> None:
+        self.path, self.reserve, self.max_bytes = path, reserve, max_bytes
+        self._used, self._scanned = 0, -float("inf")
+
+    @classmethod
+    def create(cls, path: str, reserve: int | None, max_bytes: int | None) -> None:
+        """Record the budget of a new store; ``None`` takes the environment variable, then the default."""
+        reserve = _env_bytes(ENV_RESERVE) if reserve is None else reserve
+        max_bytes = _env_bytes(ENV_MAX_BYTES) if max_bytes is None else max_bytes
+        fd = os.open(os.path.join(path, _FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"reserve": reserve, "max_bytes": max_bytes}, f)
+
+    @classmethod
+    def load(cls, path: str) -> Budget:
+        """The budget recorded in the store ``path`` (the defaults if none can be read)."""
+        try:
+            with open(os.path.join(path, _FILE)) as f:
+                recorded = json.load(f)
+            return cls(path, recorded.get("reserve"), recorded.get("max_bytes"))
+        except (OSError, ValueError, AttributeError):
+            return cls(path)
+
+    def room_for(self, nbytes: int, used: Callable[[], int]) -> str | None:
+        """``None`` if an item of ``nbytes`` may be written, else why not; ``used()`` scans the store's size."""
+        try:
+            st = os.statvfs(self.path)
+        except (OSError, AttributeError):
+            st = None  # the write itself will tell what is wrong
+        if st is not None:
+            free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+            reserve = default_reserve(total) if self.reserve is None else self.reserve
+            if free - nbytes < reserve:
+                return (
+                    f"its file system has {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, and "
+                    f"{reserve / 2**20:.0f} MiB are kept free for the DataLoader's shared memory (reserve)"
+                )
+        if self.max_bytes is not None:
+            if time.monotonic() - self._scanned >= _RESCAN:
+                self._used, self._scanned = used(), time.monotonic()
+            if self._used + nbytes > self.max_bytes:
+                return f"the store holds {self._used / 2**20:.0f} MiB and its cap is max_bytes={self.max_bytes}"
+        return None
+
+    def written(self, nbytes: int) -> None:
+        """Count an item this process has just written, until the next scan."""
+        self._used += nbytes

@@ -1,0 +1,119 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+Counts of what a runtime cache did (hits, misses, computations, refused items), for this process and, for a
+:py:class:`monai.data.SharedCacheStore`, for all the processes that used it.
+
+The work of a shared cache happens in processes that the user does not hold on to: DataLoader workers, which exit
+at the end of every epoch, and the other ranks of the node. So every process counts into a slot of the store, a file
+``.counters/<n>`` that it holds with an exclusive ``flock``, and rewrites it at every event (one ``pwrite``). A
+process that dies releases its slot's lock with it, and the next process to take the slot goes on from its counts:
+the sum of the slots keeps the counts of the processes that are gone, and there are never more slots than processes
+counting at once. A forked child (a DataLoader worker) takes a slot of its own at its first event.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from typing import Any
+
+from monai.data import _cache_locks as locks
+
+FIELDS = ("hits", "misses", "computed", "refused")
+HITS, MISSES, COMPUTED, REFUSED = range(len(FIELDS))
+_SLOT = struct.Struct(f"<{len(FIELDS)}q")
+_DIR = ".counters"
+_MAX_SLOTS = 4096
+
+
+class Counters:
+    """
+    The counts of this process and, with ``path``, of all processes that counted in the store ``path``. A copy
+    pickled to another process counts for that process, from zero.
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self._dir = None if path is None else os.path.join(path, _DIR)
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._local = [0] * len(FIELDS)  # the events of this process
+        self._slot = [0] * len(FIELDS)  # what its slot holds: the counts of the slot's earlier holders, plus those
+        self._held: locks.Held | None = None
+
+    def _attach(self) -> None:
+        """Take a slot, at the first event of this process."""
+        self._pid, self._local, self._slot, self._held = os.getpid(), [0] * len(FIELDS), [0] * len(FIELDS), None
+        if self._dir is None:
+            return
+        try:
+            os.mkdir(self._dir, 0o700)
+        except FileExistsError:
+            pass
+        except OSError:
+            return
+        for i in range(_MAX_SLOTS):
+            try:
+                held = locks.try_hold(os.path.join(self._dir, str(i)), os.O_CREAT)
+            except OSError:
+                return
+            if held is not None:
+                data = os.pread(held.fd, _SLOT.size, 0)
+                self._slot = list(_SLOT.unpack(data)) if len(data) == _SLOT.size else self._slot
+                self._held = held
+                return
+
+    def add(self, field: int, n: int = 1) -> None:
+        """Count ``n`` events of the kind ``FIELDS[field]`` in this process."""
+        if self._pid != os.getpid():
+            self._lock = threading.Lock()  # another thread may have held it at the fork
+        with self._lock:
+            if self._pid != os.getpid():
+                self._attach()
+            self._local[field] += n
+            self._slot[field] += n
+            if self._held is not None:
+                try:
+                    os.pwrite(self._held.fd, _SLOT.pack(*self._slot), 0)
+                except OSError:
+                    self._held = None
+
+    def local(self) -> dict[str, int]:
+        """The counts of this process."""
+        with self._lock:
+            mine = self._local if self._pid == os.getpid() else [0] * len(FIELDS)
+            return dict(zip(FIELDS, mine))
+
+    def total(self) -> dict[str, int]:
+        """The counts of all processes, alive or not, that counted in the store (this process's own without one)."""
+        if self._dir is None:
+            return self.local()
+        sums = [0] * len(FIELDS)
+        try:
+            names = os.listdir(self._dir)
+        except OSError:
+            names = []
+        for name in names:
+            try:
+                with open(os.path.join(self._dir, name), "rb") as f:
+                    data = f.read(_SLOT.size)
+            except OSError:
+                continue
+            if len(data) == _SLOT.size:
+                sums = [a + b for a, b in zip(sums, _SLOT.unpack(data))]
+        return dict(zip(FIELDS, sums)) if names else self.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": None if self._dir is None else os.path.dirname(self._dir)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"])  # type: ignore[misc]

@@ -1,0 +1,219 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+The item files of :py:class:`monai.data.SharedCacheStore`: how an item is written and read back without a copy.
+
+A reader maps an item file once, privately and copy-on-write, and hands out its arrays and tensors as views of that
+mapping, so the bytes of every array must sit raw and aligned in the file: a pickle stream alone would copy them. A
+file is a fixed prefix, the key (checked on read: a file of another key is a miss), a table of the out-of-band
+buffers, the protocol-5 pickle stream, then each buffer (the bytes of a numpy array or CPU tensor), 64-byte aligned.
+The whole item comes from one mapping of one file, so a file replaced while it is read yields the old item or the
+new one, never a mix. Files are written with ``os.write`` (a full disk is an error, never a ``SIGBUS``).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import pickle
+import struct
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+MISS = object()  # what `decode` returns for the file of another key
+_MAGIC = b"\x89MONAI\r\n"
+VERSION = 1
+# magic, version, flags, header_len, total_len, key_len, n_buffers, pickle_len
+_PREFIX = struct.Struct("<8sHHIQIIQ")
+_ENTRY = struct.Struct("<QQ")
+_ALIGN = 64
+_SMALL_FILE = 64 * 1024  # smaller files are read into memory, larger ones mapped
+_GPU_MESSAGE = (
+    "SharedCacheStore can only store CPU tensors, got a tensor on device '{}'. Keep the cached (deterministic) "
+    "transforms on the CPU and move the data to the GPU after them, e.g. with EnsureTyped(keys, device=...) placed "
+    "after the first random transform."
+)
+
+
+class CorruptItem(Exception):
+    """A file that is not a complete item of this format."""
+
+
+def _plain_state(cls: type) -> bool:
+    """Whether a tensor subclass (such as MetaTensor) pickles as its data plus ``__dict__``, so can be rebuilt."""
+    names = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
+    if any(getattr(cls, n, None) is not getattr(torch.Tensor, n, None) for n in names):
+        return False
+    return not any("__slots__" in vars(base) for base in cls.__mro__[: cls.__mro__.index(torch.Tensor)])
+
+
+def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple, cls: type, state: dict | None) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype) if buffer is None else torch.frombuffer(buffer, dtype=torch.uint8)
+    t = t.view(dtype).reshape(shape)
+    if cls is not torch.Tensor:
+        t = t.as_subclass(cls)
+    if state:
+        t.__dict__.update(state)
+    return t
+
+
+def _rebuild_ndarray(buffer: Any, dtype: np.dtype, shape: tuple, order: str) -> np.ndarray:
+    if buffer is None:
+        return np.empty(shape, dtype=dtype, order=order)  # type: ignore[call-overload]
+    return np.frombuffer(buffer, dtype=np.uint8).view(dtype).reshape(shape, order=order)  # type: ignore[call-overload]
+
+
+class _Pickler(pickle.Pickler):
+    """Protocol 5, with the bytes of CPU tensors and numpy arrays out of band; tensors are stored detached."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "cpu":
+                raise TypeError(_GPU_MESSAGE.format(obj.device))
+            cls = type(obj)
+            if obj.layout is not torch.strided or obj.is_quantized or obj.is_nested:
+                return NotImplemented
+            if cls is not torch.Tensor and not _plain_state(cls):
+                return NotImplemented
+            data = obj.as_subclass(torch.Tensor).detach().resolve_conj().resolve_neg().contiguous()
+            buffer = None
+            if data.numel():
+                try:
+                    buffer = pickle.PickleBuffer(cast(Any, data.reshape(-1).view(torch.uint8).numpy()))
+                except (RuntimeError, TypeError):  # sub-byte dtypes: torch's own pickling
+                    return NotImplemented
+            return _rebuild_tensor, (buffer, data.dtype, tuple(data.shape), cls, getattr(obj, "__dict__", None))
+        if type(obj) in (np.ndarray, np.memmap) and not obj.dtype.hasobject:
+            arr = obj.view(np.ndarray)
+            order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+            if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+                arr = np.ascontiguousarray(arr)
+            raw = pickle.PickleBuffer(cast(Any, arr.ravel(order="K").view(np.uint8))) if arr.size else None
+            return _rebuild_ndarray, (raw, arr.dtype, arr.shape, order)
+        return NotImplemented
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def encode(key: str, item: Any) -> tuple[list[tuple[int, memoryview]], int]:
+    """
+    Serialize ``item`` under ``key``: the ``(offset, bytes)`` chunks of the file, and its total length.
+
+    Raises:
+        TypeError: ``item`` holds a tensor that is not on the CPU.
+        Exception: whatever pickling ``item`` raises.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(item)
+    body, raws = stream.getbuffer(), [b.raw() for b in buffers]
+    key_bytes = key.encode("utf-8", "surrogatepass")
+    header_len = _align(_PREFIX.size + len(key_bytes) + _ENTRY.size * len(raws))
+    total, table = header_len + body.nbytes, []
+    for raw in raws:
+        table.append((_align(total), raw.nbytes))
+        total = table[-1][0] + raw.nbytes
+    header = bytearray(header_len)
+    _PREFIX.pack_into(header, 0, _MAGIC, VERSION, 0, header_len, total, len(key_bytes), len(raws), body.nbytes)
+    header[_PREFIX.size : _PREFIX.size + len(key_bytes)] = key_bytes
+    for i, entry in enumerate(table):
+        _ENTRY.pack_into(header, _PREFIX.size + len(key_bytes) + i * _ENTRY.size, *entry)
+    return [(0, memoryview(header)), (header_len, body)] + [(o, r) for (o, _), r in zip(table, raws)], total
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    while data.nbytes:
+        n = os.write(fd, data)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        data = data[n:]
+
+
+def write_item(fd: int, chunks: list[tuple[int, memoryview]], total: int) -> None:
+    """Write the chunks of an encoded item to ``fd``, zeros in the gaps."""
+    pos = 0
+    for offset, data in chunks:
+        if offset > pos:
+            write_all(fd, memoryview(bytes(offset - pos)))
+        write_all(fd, data)
+        pos = offset + data.nbytes
+
+
+def read_file(path: str) -> tuple[memoryview, int]:
+    """
+    A private, writable copy-on-write view of the file ``path``, and its inode; no file descriptor stays open.
+
+    Raises:
+        FileNotFoundError: there is no file at ``path`` (or it was replaced while it was mapped).
+        OSError: the file cannot be read or mapped.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        st = os.fstat(fd)
+        if st.st_size < _SMALL_FILE:
+            arr = np.empty(st.st_size + _ALIGN, dtype=np.uint8)
+            start = -arr.ctypes.data % _ALIGN
+            view = memoryview(cast(Any, arr[start : start + st.st_size]))
+            got = 0
+            while got < st.st_size:
+                chunk = os.read(fd, st.st_size - got)
+                if not chunk:
+                    break
+                view[got : got + len(chunk)] = chunk
+                got += len(chunk)
+            return view[:got], st.st_ino
+    finally:
+        os.close(fd)
+    try:  # a MAP_PRIVATE mapping that holds no descriptor, unmapped with its last view
+        storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=st.st_size)
+    except RuntimeError as err:
+        try:
+            replaced = os.stat(path).st_ino != st.st_ino
+        except FileNotFoundError:
+            replaced = True
+        if replaced:
+            raise FileNotFoundError(errno.ENOENT, "replaced while it was read", path) from err
+        raise OSError(errno.EIO, str(err), path) from err
+    return memoryview(cast(Any, torch.empty(0, dtype=torch.uint8).set_(storage).numpy())), st.st_ino
+
+
+def decode(buf: memoryview, key: str) -> Any:
+    """
+    The item in the file content ``buf``, or ``MISS`` if the file holds another key.
+
+    Raises:
+        CorruptItem: ``buf`` is not a complete item of this format.
+    """
+    if buf.nbytes < _PREFIX.size:
+        raise CorruptItem("truncated header")
+    magic, version, _, header_len, total, key_len, n_buffers, pickle_len = _PREFIX.unpack_from(buf, 0)
+    if magic != _MAGIC or version != VERSION:
+        raise CorruptItem("bad magic or version")
+    table = _PREFIX.size + key_len
+    if total != buf.nbytes or table + _ENTRY.size * n_buffers > header_len or header_len + pickle_len > total:
+        raise CorruptItem("truncated or inconsistent lengths")
+    if bytes(buf[_PREFIX.size : table]) != key.encode("utf-8", "surrogatepass"):
+        return MISS
+    buffers = []
+    for i in range(n_buffers):
+        offset, length = _ENTRY.unpack_from(buf, table + i * _ENTRY.size)
+        if offset < header_len + pickle_len or offset + length > total:
+            raise CorruptItem("bad buffer table")
+        buffers.append(buf[offset : offset + length])
+    try:
+        return pickle.loads(buf[header_len : header_len + pickle_len], buffers=buffers)
+    except (pickle.UnpicklingError, EOFError, struct.error) as err:
+        raise CorruptItem(f"bad pickle stream: {err}") from err
