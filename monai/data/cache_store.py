@@ -38,45 +38,42 @@ _WARN_LOCK = threading.Lock()
 _UNCACHED = "Items are computed without the cache from now on in this process."
 
 
-def _attach(cls: type[SharedCacheStore], path: str, claim_timeout: float) -> SharedCacheStore:
-    """Unpickle a store: attach to its directory without participating (a DataLoader worker, say)."""
+def _attach(cls: type[SharedCacheStore], path: str) -> SharedCacheStore:
+    """Unpickle a store: attach to its directory without participating (in a DataLoader worker, say)."""
     store = cls.__new__(cls)
-    store._setup(path, claim_timeout)
+    store._setup(path)
     try:
         locks.check_private(path)
     except FileNotFoundError as err:
         store._gone = True
-        store._warn_once(f"the cache directory {path} is gone", err)
+        store._warn_once("the directory is gone", err)
     return store
 
 
 class SharedCacheStore:
     """
-    A runtime cache for :py:class:`monai.data.CacheDataset` that all the processes of one machine share, without a
-    server process: every item is a file in a private directory, by default on ``/dev/shm`` (in memory).
+    A runtime cache for :py:class:`monai.data.CacheDataset` that the processes of one machine share without a server
+    process: each item is a file in a private directory, by default on ``/dev/shm`` (in memory).
 
-    A ``Manager().list()`` pickles every item through its server on every read, and holds a file descriptor per
-    tensor. Here an item is written once to a temporary file and published under its content key with an atomic
-    ``os.replace``; a read maps the file privately and copy-on-write, so the arrays and tensors of the item are views
-    of the mapping: no copy, no open descriptor, and the caller may modify them in place without affecting anyone.
-    ``CacheDataset(runtime_cache="process")`` makes one; DataLoader workers receive it with the dataset (it pickles
-    as its path, under ``fork``, ``spawn`` and ``forkserver``); other processes of the same user attach to it with
-    ``SharedCacheStore(path)``. When several processes miss the same item at once, one computes it, the others wait.
-    The store is removed when its last participant (the creator, and each process that attached by path) closes it
-    or dies; the directories of crashed runs are removed by the next store created in the same root.
+    A ``Manager().list()`` pickles every item through its server at every read and holds a file descriptor per tensor.
+    Here an item is written once, to a temporary file published under the item's key with an atomic ``os.replace``;
+    a read maps the file privately and copy-on-write, so the item's arrays and tensors are views of the mapping: no
+    copy, no open descriptor, and the reader may modify them in place without affecting anyone.
+    ``CacheDataset(runtime_cache="process")`` makes one; DataLoader workers receive it with the dataset (it pickles as
+    its path, for ``fork``, ``spawn`` and ``forkserver``); other processes of the same user join it with
+    ``SharedCacheStore(path)``. The store is removed when the last process that made or joined it closes it or
+    exits, even killed; the next store made in the same root removes the directories of crashed runs.
 
     Args:
-        path: the directory of an existing store to attach to; ``None`` to create a new store.
-        root: where to create a new store (with ``path=None`` only): by default the directory named by the
-            environment variable ``MONAI_CACHE_ROOT``, else ``/dev/shm`` if writable, else the temporary directory.
-        claim_timeout: seconds :py:meth:`get_or_compute` waits for an item that another process or thread is
-            computing, before it computes the item itself, without storing it.
+        path: the directory of an existing store to join; ``None`` to make a new store.
+        root: where to make a new store (with ``path=None``): by default the directory named by the environment
+            variable ``MONAI_CACHE_ROOT``, else ``/dev/shm`` if writable, else the temporary directory.
 
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows).
         FileNotFoundError: ``path`` does not exist, or ``MONAI_CACHE_ROOT`` names no directory.
         PermissionError: ``path`` is not a private directory of this user.
-        ValueError: ``claim_timeout`` is negative, or both ``path`` and ``root`` are given.
+        ValueError: both ``path`` and ``root`` are given.
 
     Example:
         .. code-block:: python
@@ -84,41 +81,37 @@ class SharedCacheStore:
             store = SharedCacheStore()  # a new directory /dev/shm/monai-cache-*
             ds = CacheDataset(data, transform, runtime_cache=store)
             other = SharedCacheStore(store.path)  # in another process of this user, on this machine
-            store.close()  # the last participant to close (or exit) removes the directory
+            store.close()  # the last one to close (or exit) removes the directory
 
     Note:
         A store never makes a job fail: a removed directory, a full file system or a permission error leads to one
-        warning per process, and the items are computed without the cache from then on (after ``ENOSPC`` the
-        process stops writing, but still reads). A damaged item file is a miss, and is removed.
+        warning per process, and items are computed without the cache from then on (after ``ENOSPC`` it still reads).
+        A damaged item file is a miss, and is removed.
 
     Warning:
-        Items are unpickled when read, which can run code, so a store attaches only to a real directory owned by
-        this user and closed to others (mode ``0o700``, as created). Only CPU tensors can be stored. The store is for
-        the processes of one machine: file locks do not coordinate machines on a network file system.
+        Items are unpickled when read, which can run code, so a store joins only a real directory of this user closed
+        to others (mode ``0o700``, as made). Only CPU tensors can be stored. A store is for the processes of one
+        machine: file locks do not coordinate machines on a network file system.
     """
 
-    supported = locks.AVAILABLE  # whether this platform can make stores (False without fcntl, as on Windows)
+    supported = locks.AVAILABLE  # whether stores can be made here (not without fcntl, as on Windows)
 
-    def __init__(
-        self, path: str | os.PathLike | None = None, *, root: str | os.PathLike | None = None, claim_timeout=600.0
-    ) -> None:
+    def __init__(self, path: str | os.PathLike | None = None, *, root: str | os.PathLike | None = None) -> None:
         if not self.supported:
             raise NotImplementedError(
                 "SharedCacheStore needs fcntl file locks, which this platform lacks. Use "
-                "CacheDataset(runtime_cache='process'), which here keeps the cache in a multiprocessing Manager list."
+                "CacheDataset(runtime_cache='process'), which keeps the cache in a multiprocessing Manager list here."
             )
-        if claim_timeout < 0:
-            raise ValueError(f"claim_timeout must be non-negative, got {claim_timeout}.")
         if path is not None:
             if root is not None:
-                raise ValueError("root is where a new store is created: give path or root, not both.")
-            self._setup(os.path.abspath(os.fspath(path)), claim_timeout)
+                raise ValueError("root is where a new store is made: give path or root, not both.")
+            self._setup(os.path.abspath(os.fspath(path)))
             locks.check_private(self._path)
             try:
                 self._hold(locks.join(self._path))
             except FileNotFoundError as err:  # removed by its last participant meanwhile
                 self._gone = True
-                self._warn_once(f"the cache directory {self._path} is gone", err)
+                self._warn_once("the directory is gone", err)
             return
         root = locks.default_root() if root is None else os.fspath(root)
         locks.cleanup_leftovers(root)
@@ -129,20 +122,18 @@ class SharedCacheStore:
         except BaseException:
             shutil.rmtree(new, ignore_errors=True)
             raise
-        self._setup(new, claim_timeout)
+        self._setup(new)
         self._hold(held)
 
-    def _setup(self, path: str, claim_timeout: float) -> None:
+    def _setup(self, path: str) -> None:
         self._path, self._tmp = path, os.path.join(path, _TMP)
-        self._claim_timeout = float(claim_timeout)
         self._gone = False  # closed, or the directory is gone: always miss
         self._writable = True  # False after a persistent write error
-        self._claims = threading.local()  # the claims each thread holds
         self._warned: set[tuple[int, str]] = set()  # (pid, what): each process warns once per store
         self._finalizer: weakref.finalize | None = None
 
     def _hold(self, held: locks.Held) -> None:
-        # at close(), garbage collection or exit; in a forked child the inherited lock is already closed
+        # at close(), garbage collection or exit; a forked child has closed the inherited lock already
         self._finalizer = weakref.finalize(self, locks.leave, self._path, held)
 
     @property
@@ -154,7 +145,7 @@ class SharedCacheStore:
         return f"{type(self).__name__}({self._path!r})"
 
     def __reduce__(self) -> tuple:
-        return _attach, (type(self), self._path, self._claim_timeout)
+        return _attach, (type(self), self._path)
 
     def get(self, key: str, default: Any = None) -> Any:
         """
@@ -170,14 +161,14 @@ class SharedCacheStore:
 
     def put(self, key: str, item: Any) -> bool:
         """
-        Store ``item`` under ``key``, atomically replacing what is stored under it.
+        Store ``item`` under ``key``, atomically replacing what was stored under it.
 
         Args:
             key: the content key of the item.
             item: any picklable object; its tensors must be on the CPU.
 
         Returns:
-            whether the item was stored (not after a fault of the file system, see the class documentation).
+            whether the item was stored (not after a fault of the file system).
 
         Raises:
             TypeError: ``item`` holds a tensor that is not on the CPU.
@@ -205,39 +196,17 @@ class SharedCacheStore:
 
     def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
         """
-        The item stored under ``key``; on a miss, ``compute()`` stored under ``key``, computed once across the
-        processes and threads that miss it at the same time.
-
         Args:
             key: the content key of the item.
-            compute: makes the item; called at most once, and not on a hit.
+            compute: makes the item, which is then stored; not called on a hit.
 
         Returns:
-            the item.
-
-        Raises:
-            Exception: whatever ``compute`` raises.
+            the item stored under ``key``, else ``compute()``.
         """
         item = self._read(key)
-        if item is not fmt.MISS:
-            return item
-        if self._gone or not self._writable:
-            return compute()
-        claims = self._claims.__dict__.setdefault("held", set())
-        try:
-            item, late = locks.compute_once(
-                self._file(key, ".claim"), lambda: self._read(key), compute, lambda x: self.put(key, x),
-                self._claim_timeout, claims, fmt.MISS,
-            )  # fmt: skip
-        except locks.ClaimUnavailable as err:
-            self._fault("cannot create claim files", err)
-            return compute()
-        if late:
-            self._warn_once(
-                "waited too long for an item that another process computes",
-                f"claim_timeout={self._claim_timeout} s",
-                then="This process computed it without storing it.",
-            )
+        if item is fmt.MISS:
+            item = compute()
+            self.put(key, item)
         return item
 
     def discard(self, keys: Iterable[str]) -> None:
@@ -248,53 +217,23 @@ class SharedCacheStore:
             keys: the content keys of the items.
         """
         for key in keys:
-            if self._gone:
-                return
             try:
-                os.unlink(self._file(key, ".item"))
+                if not self._gone:
+                    os.unlink(self._file(key, ".item"))
             except FileNotFoundError:
                 if not os.path.isdir(self._path):
                     self._fault("cannot remove items", FileNotFoundError(errno.ENOENT, "no directory", self._path))
             except OSError as err:
                 self._fault("cannot remove items", err)
 
-    def stats(self) -> dict[str, int]:
-        """
-        Returns:
-            ``{"filled": the number of items stored, "nbytes": their total size in bytes}``, in one directory scan.
-        """
-        filled = nbytes = 0
-        try:
-            with os.scandir(self._path) as it:
-                for entry in it:
-                    if entry.name.endswith(".item"):
-                        filled, nbytes = filled + 1, nbytes + entry.stat(follow_symlinks=False).st_size
-        except OSError:
-            pass
-        return {"filled": filled, "nbytes": nbytes}
-
     def close(self) -> None:
         """
-        Stop using the store in this object; if no participant is left in any process, remove the directory.
-        Idempotent. A copy that a forked or spawned process received (a DataLoader worker's) never removes it.
+        Stop using the store in this object; remove the directory if no other process uses it. Idempotent; a copy
+        that a DataLoader worker received never removes it.
         """
         self._gone = True
         if self._finalizer is not None:
             self._finalizer()
-
-    @staticmethod
-    def cleanup_leftovers(root: str | os.PathLike | None = None) -> list[str]:
-        """
-        Remove the store directories of crashed runs: the ``monai-cache-*`` directories of this user in ``root`` in
-        which no process participates. Every new store does this in its root.
-
-        Args:
-            root: the directory to clean; by default where new stores are created.
-
-        Returns:
-            the directories removed.
-        """
-        return locks.cleanup_leftovers(locks.default_root() if root is None else os.fspath(root))
 
     @staticmethod
     def _stem(key: str) -> str:
@@ -304,14 +243,13 @@ class SharedCacheStore:
         return os.path.join(self._path, self._stem(key) + suffix)
 
     def _read(self, key: str) -> Any:
-        if self._gone:
-            return fmt.MISS
-        path = self._file(key, ".item")
+        path, ino = self._file(key, ".item"), None
         try:
-            buf, ino = fmt.read_file(path)
-            return fmt.decode(buf, key)
+            if not self._gone:
+                buf, ino = fmt.read_file(path)
+                return fmt.decode(buf, key)
         except FileNotFoundError:
-            return fmt.MISS
+            pass
         except OSError as err:
             self._warn_once("cannot read items", err)
         except fmt.CorruptItem:
@@ -327,8 +265,7 @@ class SharedCacheStore:
     def _fault(self, what: str, err: OSError) -> None:
         """Degrade after an error of the file system: warn once, and stop using the store or writing to it."""
         if not os.path.isdir(self._path):
-            self._gone = True
-            what = f"the cache directory {self._path} is gone"
+            self._gone, what = True, "the directory is gone"
         elif isinstance(err, FileNotFoundError) and not os.path.isdir(self._tmp):
             try:  # only the store's own subdirectory, never the store itself
                 os.mkdir(self._tmp, 0o700)
