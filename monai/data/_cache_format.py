@@ -9,14 +9,12 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The item files of :py:class:`monai.data.SharedCacheStore`: how an item is written and read back without a copy.
-
-A reader maps an item file once, privately and copy-on-write, and hands out its arrays and tensors as views of that
-mapping, so the bytes of every array must sit raw and aligned in the file: a pickle stream alone would copy them. A
-file is a fixed prefix, the key (checked on read: a file of another key is a miss), a table of the out-of-band
-buffers, the protocol-5 pickle stream, then each buffer (the bytes of a numpy array or CPU tensor), 64-byte aligned.
-The whole item comes from one mapping of one file, so a file replaced while it is read yields the old item or the
-new one, never a mix. Files are written with ``os.write`` (a full disk is an error, never a ``SIGBUS``).
+The item files of :py:class:`monai.data.SharedCacheStore`, read back without a copy: a reader maps a file privately,
+copy-on-write, and its arrays and tensors are views of the mapping, so their bytes sit raw and aligned in the file. A
+file is a prefix, the key (checked on read), a table of buffers, the protocol-5 pickle stream, then each out-of-band
+buffer (the bytes of a numpy array or CPU tensor), 64-byte aligned. An item comes from one mapping of one file: a
+file replaced while read yields the old item or the new one, never a mix. Files are written with ``os.pwrite``, so a
+full disk is an error, never a ``SIGBUS``.
 """
 
 from __future__ import annotations
@@ -39,11 +37,8 @@ _PREFIX = struct.Struct("<8sHHIQIIQ")
 _ENTRY = struct.Struct("<QQ")
 _ALIGN = 64
 _SMALL_FILE = 64 * 1024  # smaller files are read into memory, larger ones mapped
-_GPU_MESSAGE = (
-    "SharedCacheStore can only store CPU tensors, got a tensor on device '{}'. Keep the cached (deterministic) "
-    "transforms on the CPU and move the data to the GPU after them, e.g. with EnsureTyped(keys, device=...) placed "
-    "after the first random transform."
-)
+_GPU = "SharedCacheStore stores CPU tensors only, got one on {}: keep the cached transforms on the CPU and move the "
+_GPU += "data to the GPU after them, e.g. with EnsureTyped(keys, device=...) after the first random transform."
 
 
 class CorruptItem(Exception):
@@ -80,7 +75,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.device.type != "cpu":
-                raise TypeError(_GPU_MESSAGE.format(obj.device))
+                raise TypeError(_GPU.format(obj.device))
             cls = type(obj)
             if obj.layout is not torch.strided or obj.is_quantized or obj.is_nested:
                 return NotImplemented
@@ -134,22 +129,14 @@ def encode(key: str, item: Any) -> tuple[list[tuple[int, memoryview]], int]:
     return [(0, memoryview(header)), (header_len, body)] + [(o, r) for (o, _), r in zip(table, raws)], total
 
 
-def write_all(fd: int, data: memoryview) -> None:
-    while data.nbytes:
-        n = os.write(fd, data)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        data = data[n:]
-
-
-def write_item(fd: int, chunks: list[tuple[int, memoryview]], total: int) -> None:
-    """Write the chunks of an encoded item to ``fd``, zeros in the gaps."""
-    pos = 0
+def write_item(fd: int, chunks: list[tuple[int, memoryview]]) -> None:
+    """Write the ``(offset, bytes)`` chunks of an encoded item to the new file ``fd`` (the gaps read as zeros)."""
     for offset, data in chunks:
-        if offset > pos:
-            write_all(fd, memoryview(bytes(offset - pos)))
-        write_all(fd, data)
-        pos = offset + data.nbytes
+        while data.nbytes:
+            n = os.pwrite(fd, data, offset)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            data, offset = data[n:], offset + n
 
 
 def read_file(path: str) -> tuple[memoryview, int]:
@@ -160,33 +147,25 @@ def read_file(path: str) -> tuple[memoryview, int]:
         FileNotFoundError: there is no file at ``path`` (or it was replaced while it was mapped).
         OSError: the file cannot be read or mapped.
     """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    fd = os.open(path, os.O_RDONLY)
     try:
         st = os.fstat(fd)
-        if st.st_size < _SMALL_FILE:
+        if st.st_size < _SMALL_FILE:  # read into an aligned buffer
             arr = np.empty(st.st_size + _ALIGN, dtype=np.uint8)
-            start = -arr.ctypes.data % _ALIGN
-            view = memoryview(cast(Any, arr[start : start + st.st_size]))
-            got = 0
-            while got < st.st_size:
-                chunk = os.read(fd, st.st_size - got)
-                if not chunk:
-                    break
-                view[got : got + len(chunk)] = chunk
-                got += len(chunk)
+            view, got = memoryview(cast(Any, arr[-arr.ctypes.data % _ALIGN :][: st.st_size])), 0
+            while got < st.st_size and (n := os.readv(fd, [view[got:]])):
+                got += n
             return view[:got], st.st_ino
     finally:
         os.close(fd)
     try:  # a MAP_PRIVATE mapping that holds no descriptor, unmapped with its last view
         storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=st.st_size)
-    except RuntimeError as err:
+    except RuntimeError as err:  # replaced by a smaller file meanwhile (a miss), or the mapping failed
         try:
-            replaced = os.stat(path).st_ino != st.st_ino
-        except FileNotFoundError:
-            replaced = True
-        if replaced:
-            raise FileNotFoundError(errno.ENOENT, "replaced while it was read", path) from err
-        raise OSError(errno.EIO, str(err), path) from err
+            same = os.stat(path).st_ino == st.st_ino
+        except OSError:
+            same = False
+        raise OSError(errno.EIO if same else errno.ENOENT, str(err), path) from err
     return memoryview(cast(Any, torch.empty(0, dtype=torch.uint8).set_(storage).numpy())), st.st_ino
 
 

@@ -9,15 +9,13 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-How the processes sharing a :py:class:`monai.data.SharedCacheStore` coordinate: who still uses the store, whose
-temporary files are dead, which directories are left over.
+How the processes sharing a :py:class:`monai.data.SharedCacheStore` coordinate: who still uses the store.
 
 Each question is whether some process is still alive, and pids cannot answer it across PID namespaces (containers
 sharing ``/dev/shm`` see each other's files, not each other's processes). So each fact is an ``fcntl.flock`` lock on
 a file of the store, which the kernel releases when its holder dies, in any namespace: a lock that can be taken
-means that its holder is gone. Using a store is a shared lock on ``<store>/.lock`` per store object, and writing an
-item an exclusive lock on its temporary file in ``.tmp/``. Locks are held on descriptors that a forked child closes
-at once, so a DataLoader worker never keeps or removes a store. Without ``fcntl`` (Windows) there is no store:
+means that its holder is gone. Using a store is a shared lock on ``<store>/.lock`` per store object. Locks are held
+on descriptors that a forked child closes at once, so a DataLoader worker never keeps or removes a store. Without ``fcntl`` (Windows) there is no store:
 :py:data:`AVAILABLE`, the one place that asks, is ``False``.
 """
 
@@ -38,8 +36,7 @@ except ImportError:  # Windows
 AVAILABLE = fcntl is not None
 ENV_ROOT = "MONAI_CACHE_ROOT"  # where new stores are created, instead of /dev/shm
 PREFIX = "monai-cache-"
-_LOCK, _NEW_LOCK = ".lock", ".lock-new"  # a creator holds `.lock-new` before it is renamed: cleaners ignore it
-_MIN_AGE = 5.0  # seconds: a store without a lock file, or an unlocked temporary file, younger than this is kept
+_LOCK = ".lock"
 _PATIENCE = 0.25  # seconds a leaver waits for children forked just before to close their copy of its lock
 _POLL_MIN, _POLL_MAX = 0.001, 0.05
 _OPEN = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
@@ -111,11 +108,9 @@ def try_hold(path: str, flags: int = 0, shared: bool = False) -> Held | None:
 
 
 def create(path: str) -> Held:
-    """Make the lock file of the new store ``path`` and participate: cleaners never see it without a participant."""
-    new = os.path.join(path, _NEW_LOCK)
-    held = Held(os.open(new, _OPEN | os.O_CREAT | os.O_EXCL, 0o600))
+    """Make the lock file of the new store ``path``, and participate."""
+    held = Held(os.open(os.path.join(path, _LOCK), _OPEN | os.O_CREAT | os.O_EXCL, 0o600))
     fcntl.flock(held.fd, fcntl.LOCK_SH)
-    os.replace(new, os.path.join(path, _LOCK))
     return held
 
 
@@ -150,60 +145,11 @@ def _remove_if_unheld(path: str, patience: float = 0.0) -> bool:
 
 
 def leave(path: str, held: Held) -> bool:
-    """Stop participating; remove the store if no participant is left. Whether it was removed."""
+    """Stop participating; remove the store if no participant is left."""
     return held.close() and _remove_if_unheld(path, _PATIENCE)
 
 
-def cleanup_leftovers(root: str) -> list[str]:
-    """
-    Remove the ``monai-cache-*`` directories of this user in ``root`` in which no process participates: at once if
-    their lock file can be taken, after a few seconds if they have none (a creator died before making it).
-    """
-    try:
-        with os.scandir(root) as it:
-            found = [(e.path, e.stat(follow_symlinks=False)) for e in it if e.name.startswith(PREFIX)]
-    except OSError:
-        return []
-    removed = []
-    for path, st in found:
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            continue
-        if os.path.lexists(os.path.join(path, _LOCK)):
-            if _remove_if_unheld(path):
-                removed.append(path)
-        elif time.time() - st.st_mtime >= _MIN_AGE:
-            shutil.rmtree(path, ignore_errors=True)
-            if not os.path.lexists(path):
-                removed.append(path)
-    return removed
-
-
-# -- temporary files and directories ----------------------------------------------------------------------------------
-
-
-def open_temp(path: str) -> Held:
-    """Create the temporary file ``path``, held until it is published or removed (cleaners leave young files)."""
-    held = try_hold(path, os.O_CREAT | os.O_EXCL)
-    if held is None:
-        raise FileExistsError(errno.EEXIST, "a temporary file of that name is held", path)
-    return held
-
-
-def clean_dead_temps(tmp_dir: str) -> None:
-    """Remove the temporary files of writers that died while writing: unlocked, and older than a few seconds."""
-    try:
-        with os.scandir(tmp_dir) as it:
-            old = [e.path for e in it if time.time() - e.stat(follow_symlinks=False).st_mtime >= _MIN_AGE]
-    except OSError:
-        return
-    for path in old:
-        try:
-            held = try_hold(path)
-        except OSError:
-            continue
-        if held is not None:
-            unlink_quiet(path)
-            held.close()
+# -- directories ------------------------------------------------------------------------------------------------------
 
 
 def default_root() -> str:
@@ -219,13 +165,7 @@ def default_root() -> str:
 
 
 def check_private(path: str) -> None:
-    """
-    Refuse a store directory that another user could have written to: its items are unpickled when read.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        PermissionError: ``path`` is a symbolic link, not a directory, owned by another user, or open to others.
-    """
+    """Refuse (``PermissionError``) a store directory that another user could have written: its items are unpickled."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:

@@ -52,22 +52,21 @@ def _attach(cls: type[SharedCacheStore], path: str) -> SharedCacheStore:
 
 class SharedCacheStore:
     """
-    A runtime cache for :py:class:`monai.data.CacheDataset` that the processes of one machine share without a server
-    process: each item is a file in a private directory, by default on ``/dev/shm`` (in memory).
+    A runtime cache for :py:class:`monai.data.CacheDataset` that the processes of one machine share without a server:
+    each item is a file in a private directory, by default on ``/dev/shm`` (in memory).
 
-    A ``Manager().list()`` pickles every item through its server at every read and holds a file descriptor per tensor.
-    Here an item is written once, to a temporary file published under the item's key with an atomic ``os.replace``;
-    a read maps the file privately and copy-on-write, so the item's arrays and tensors are views of the mapping: no
-    copy, no open descriptor, and the reader may modify them in place without affecting anyone.
-    ``CacheDataset(runtime_cache="process")`` makes one; DataLoader workers receive it with the dataset (it pickles as
-    its path, for ``fork``, ``spawn`` and ``forkserver``); other processes of the same user join it with
-    ``SharedCacheStore(path)``. The store is removed when the last process that made or joined it closes it or
-    exits, even killed; the next store made in the same root removes the directories of crashed runs.
+    A ``Manager().list()`` pickles every item through its server at every read, and holds a file descriptor per
+    tensor. Here an item is written once, to a temporary file published under its key with an atomic ``os.replace``,
+    and a read maps the file privately and copy-on-write: the item's arrays and tensors are views of the mapping, with
+    no copy and no open descriptor, that the reader may modify in place. ``CacheDataset(runtime_cache="process")``
+    makes a store; DataLoader workers receive it with the dataset (it pickles as its path); other processes of the
+    same user join it with ``SharedCacheStore(path)``. It is removed when the last process that made or joined it
+    closes it or exits.
 
     Args:
         path: the directory of an existing store to join; ``None`` to make a new store.
-        root: where to make a new store (with ``path=None``): by default the directory named by the environment
-            variable ``MONAI_CACHE_ROOT``, else ``/dev/shm`` if writable, else the temporary directory.
+        root: where to make a new store: by default the directory named by the environment variable
+            ``MONAI_CACHE_ROOT``, else ``/dev/shm`` if writable, else the temporary directory.
 
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows).
@@ -85,13 +84,11 @@ class SharedCacheStore:
 
     Note:
         A store never makes a job fail: a removed directory, a full file system or a permission error leads to one
-        warning per process, and items are computed without the cache from then on (after ``ENOSPC`` it still reads).
-        A damaged item file is a miss, and is removed.
+        warning per process, and to computing items without the cache. A damaged item file is a miss, and removed.
 
     Warning:
-        Items are unpickled when read, which can run code, so a store joins only a real directory of this user closed
-        to others (mode ``0o700``, as made). Only CPU tensors can be stored. A store is for the processes of one
-        machine: file locks do not coordinate machines on a network file system.
+        Items are unpickled when read, which can run code: a store joins only a directory of this user closed to
+        others (mode ``0o700``, as made). It holds CPU tensors only, and is for the processes of one machine.
     """
 
     supported = locks.AVAILABLE  # whether stores can be made here (not without fcntl, as on Windows)
@@ -114,10 +111,9 @@ class SharedCacheStore:
                 self._warn_once("the directory is gone", err)
             return
         root = locks.default_root() if root is None else os.fspath(root)
-        locks.cleanup_leftovers(root)
         new = os.path.abspath(tempfile.mkdtemp(prefix=locks.PREFIX, dir=root))
         try:
-            held = locks.create(new)  # first: cleaners never see the store without a participant
+            held = locks.create(new)
             os.mkdir(os.path.join(new, _TMP), 0o700)
         except BaseException:
             shutil.rmtree(new, ignore_errors=True)
@@ -148,27 +144,13 @@ class SharedCacheStore:
         return _attach, (type(self), self._path)
 
     def get(self, key: str, default: Any = None) -> Any:
-        """
-        Args:
-            key: the content key of the item.
-            default: what to return if no item is stored under ``key``.
-
-        Returns:
-            a new object graph of the item, whose arrays and tensors are private copy-on-write views, or ``default``.
-        """
+        """The item stored under ``key`` (arrays and tensors: private copy-on-write views), or ``default``."""
         item = self._read(key)
         return default if item is fmt.MISS else item
 
     def put(self, key: str, item: Any) -> bool:
         """
-        Store ``item`` under ``key``, atomically replacing what was stored under it.
-
-        Args:
-            key: the content key of the item.
-            item: any picklable object; its tensors must be on the CPU.
-
-        Returns:
-            whether the item was stored (not after a fault of the file system).
+        Store ``item`` (any picklable object) under ``key``, atomically; whether it was stored (not after a fault).
 
         Raises:
             TypeError: ``item`` holds a tensor that is not on the CPU.
@@ -178,12 +160,12 @@ class SharedCacheStore:
         chunks, total = fmt.encode(key, item)  # raises before any file is made
         tmp = os.path.join(self._tmp, f"{self._stem(key)}-{secrets.token_hex(8)}")
         try:
-            held = locks.open_temp(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
             try:
-                fmt.write_item(held.fd, chunks, total)
+                fmt.write_item(fd, chunks)
                 os.replace(tmp, self._file(key, ".item"))
             finally:
-                held.close()
+                os.close(fd)
         except OSError as err:
             locks.unlink_quiet(tmp)
             self._fault("cannot write items", err)
@@ -191,18 +173,10 @@ class SharedCacheStore:
         except BaseException:
             locks.unlink_quiet(tmp)
             raise
-        locks.clean_dead_temps(self._tmp)
         return True
 
     def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
-        """
-        Args:
-            key: the content key of the item.
-            compute: makes the item, which is then stored; not called on a hit.
-
-        Returns:
-            the item stored under ``key``, else ``compute()``.
-        """
+        """The item stored under ``key``, else ``compute()``, which is stored."""
         item = self._read(key)
         if item is fmt.MISS:
             item = compute()
@@ -210,27 +184,18 @@ class SharedCacheStore:
         return item
 
     def discard(self, keys: Iterable[str]) -> None:
-        """
-        Remove the items stored under ``keys``, and nothing else: other datasets may keep items in the same store.
-
-        Args:
-            keys: the content keys of the items.
-        """
+        """Remove the items stored under ``keys``, and nothing else: other datasets may keep items here."""
         for key in keys:
             try:
                 if not self._gone:
                     os.unlink(self._file(key, ".item"))
             except FileNotFoundError:
-                if not os.path.isdir(self._path):
-                    self._fault("cannot remove items", FileNotFoundError(errno.ENOENT, "no directory", self._path))
+                pass
             except OSError as err:
                 self._fault("cannot remove items", err)
 
     def close(self) -> None:
-        """
-        Stop using the store in this object; remove the directory if no other process uses it. Idempotent; a copy
-        that a DataLoader worker received never removes it.
-        """
+        """Stop using the store here; remove it if no other process uses it. A DataLoader worker's copy never does."""
         self._gone = True
         if self._finalizer is not None:
             self._finalizer()
@@ -266,11 +231,6 @@ class SharedCacheStore:
         """Degrade after an error of the file system: warn once, and stop using the store or writing to it."""
         if not os.path.isdir(self._path):
             self._gone, what = True, "the directory is gone"
-        elif isinstance(err, FileNotFoundError) and not os.path.isdir(self._tmp):
-            try:  # only the store's own subdirectory, never the store itself
-                os.mkdir(self._tmp, 0o700)
-            except OSError:
-                pass
         elif err.errno in _PERSISTENT:
             self._writable = False
         self._warn_once(what, err)

@@ -1,0 +1,175 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Helpers of the fork's own tests (tests/fork/): processes with timeouts, namespaces, and the platform checks."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import unittest
+from typing import Any, Callable
+
+import torch
+
+import monai
+from monai.data import SharedCacheStore
+
+TIMEOUT = 120.0  # seconds for any wait on another process
+IS_LINUX = sys.platform.startswith("linux")
+FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+skip_unless_fork = unittest.skipIf(FORK is None, "needs the fork start method (not on Windows)")
+skip_unless_linux = unittest.skipUnless(IS_LINUX, "needs Linux (/proc, PID namespaces)")
+skip_unless_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl (not on Windows)")
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(monai.__file__)), os.environ.get("PYTHONPATH", "")]),
+}
+
+
+def run_forked(target: Callable, *args: Any, timeout: float = TIMEOUT) -> int:
+    """Run ``target(*args)`` in a forked process; its exit code. Killed, and a failure, past ``timeout``."""
+    assert FORK is not None
+    proc = FORK.Process(target=target, args=args)
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(TIMEOUT)
+        raise AssertionError(f"{target.__name__} did not finish in {timeout} s")
+    return proc.exitcode  # type: ignore[return-value]
+
+
+def run_ranks(fn: Callable, args: tuple, nprocs: int = 2, timeout: float = 2 * TIMEOUT) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; kill them and fail past ``timeout``."""
+    ctx = torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError("the ranks timed out")
+
+
+def recv(conn: Any, timeout: float = TIMEOUT) -> Any:
+    if not conn.poll(timeout):
+        raise AssertionError("no message from the child process")
+    return conn.recv()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
+
+
+def backdate(path: str, seconds: float = 60.0) -> None:
+    old = time.time() - seconds
+    os.utime(path, (old, old))
+
+
+def participated(path: str) -> bool:
+    """Whether some process uses the store ``path`` (holds its lock file)."""
+    import fcntl
+
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _unshare_works() -> bool:
+    if not IS_LINUX or shutil.which("unshare") is None:
+        return False
+    try:
+        done = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+skip_unless_unshare = unittest.skipUnless(
+    _unshare_works(), "cannot start a process in a new PID namespace here (`unshare --pid --fork` not permitted)"
+)
+
+# a participant in another PID namespace: joins the store, says so, and stays until its stdin closes (or it is killed)
+_NAMESPACE_PARTICIPANT = """
+import os, sys
+from monai.data import SharedCacheStore
+store = SharedCacheStore(sys.argv[1])
+print("attached", os.getpid(), flush=True)
+sys.stdin.read()
+store.close()
+"""
+
+
+def start_in_pid_namespace(path: str) -> subprocess.Popen:
+    """Start a participant of the store ``path`` in a new PID namespace; wait until it has joined."""
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", _NAMESPACE_PARTICIPANT, path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=ENV,
+    )
+    lines: list[bytes] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)  # type: ignore
+    reader.start()
+    reader.join(TIMEOUT)
+    if not lines or lines[0].split()[:2] != [b"attached", b"1"]:  # pid 1: the first process of its own namespace
+        proc.kill()
+        proc.wait(TIMEOUT)
+        raise AssertionError(f"the participant in a new PID namespace did not attach: {lines}")
+    return proc
+
+
+def stop(proc: subprocess.Popen, kill: bool = False) -> int:
+    """End a participant started by :py:func:`start_in_pid_namespace`: close its stdin, or SIGKILL it."""
+    if kill:  # SIGKILL the participant itself (unshare's child); unshare reaps it, then exits
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children = [int(pid) for pid in f.read().split()]
+        except OSError:
+            children = []
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        if not children:
+            proc.kill()
+    else:
+        proc.stdin.close()  # type: ignore[union-attr]
+    try:
+        return proc.wait(TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        proc.stdout.close()  # type: ignore[union-attr]
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.close()
+
+
+def private_mount_namespace() -> str | None:
+    """Why a private mount namespace with its own /dev/shm cannot be made here, or None if it can."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare(1) to mount a 64 MB tmpfs on /dev/shm in a private mount namespace"
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"]
+    probe = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return None if probe.returncode == 0 else f"cannot mount a tmpfs in a private namespace: {probe.stderr.strip()}"
