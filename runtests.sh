@@ -19,19 +19,26 @@ TREE=build/tree
 
 usage() {
     cat <<USAGE
-usage: ./runtests.sh [--unittests] [--quick] [--codeformat] [--docs] [--export-patch] [--upstream-tests DIR]
-                     [--build] [--clean] [-h]
+usage: ./runtests.sh [--unittests] [--quick] [--mode MODE] [--codeformat] [--docs] [--export-patch]
+                     [--upstream-tests DIR] [--upstream-ci DIR] [--build] [--clean] [-h]
 
   --unittests     lay out the patched tree if needed and run every test against it (multi-process ones included);
                   installs what requirements-dev.txt lists if it is missing (install torch for your machine first)
-  --quick         with --unittests: skip the slow tests (also sets QUICKTEST=1, as in MONAI)
+  --quick         with --unittests: skip the slow tests (sets QUICKTEST=True, as MONAI's CI does)
+  --mode MODE     with --unittests: default, spawn (every process starts its children with spawn, as on macOS and
+                  Windows) or nofcntl (also a Python where `import fcntl` fails, as on Windows); see tests/modes/
   --codeformat    black (120), isort, flake8 and mypy on the overlay, build backend, tests and patched files
-  --docs          build the Sphinx docs with warnings as errors (docs/build/html) and run every recipe of the guide
+  --docs          build the Sphinx docs with warnings as errors (docs/build/html) and run every recipe of the tutorials companion
   --export-patch  write the upstream PR series: dist/pr/NN-<slug>.patch and dist/pr/NN-<slug>.md (docs/pr/series.ini)
   --upstream-tests DIR
                   run MONAI's own dataset tests, from a checkout of MONAI's repository at DIR, unchanged against
                   the laid-out tree in a scratch directory outside the repo (every tests/data/test_*dataset*.py,
                   test_sampler_dist.py) with unittest, as MONAI runs them; prints each file's summary
+  --upstream-ci DIR
+                  lay the PR series onto MONAI's layout (DIR's tests/ and docs/ with 1.6.1's monai/) in a scratch
+                  directory, PR by PR, as MONAI's CI would take it: sizes, forbidden tokens, MONAI's flake8
+                  configuration and plugins, every new test file with unittest and QUICKTEST=True, default, spawn
+                  and nofcntl; a line per PR and per file (build_backend/upstream_ci.py)
   --build         build the wheel and sdist into dist/
   --clean         remove build/, dist/ and caches
   -h, --help      this help
@@ -40,13 +47,15 @@ Extra arguments after -- go to pytest, e.g. ./runtests.sh --unittests -- -k hash
 USAGE
 }
 
-unittests=0 quick=0 codeformat=0 docs=0 export=0 build=0 clean=0 upstream=""
+unittests=0 quick=0 codeformat=0 docs=0 export=0 build=0 clean=0 upstream="" upstream_ci="" mode=default
 extra=()
 [ $# -eq 0 ] && { usage; exit 1; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --unittests) unittests=1 ;;
         --quick) quick=1 ;;
+        --mode) shift; mode="${1:?--mode needs default, spawn or nofcntl}" ;;
+        --upstream-ci) shift; upstream_ci="${1:?--upstream-ci needs the path of a MONAI checkout}" ;;
         --codeformat) codeformat=1 ;;
         --docs) docs=1 ;;
         --export-patch) export=1 ;;
@@ -113,6 +122,7 @@ PYFILES
     tree_patched=$(for f in $patched; do printf '%s ' "$TREE/$f"; done)
     echo "== black";  $PY -m black --check --quiet --line-length 120 $ours $tree_patched
     echo "== isort";  $PY -m isort --check-only --quiet --settings-path setup.cfg $ours $tree_patched
+    # MONAI's flake8 configuration and plugins (setup.cfg), on our files and on the upstream files we patch
     echo "== flake8"; $PY -m flake8 --config setup.cfg $ours $tree_patched
     # mypy inside the laid-out package, so that the overlay is checked against the real upstream modules
     echo "== mypy";   (cd "$TREE" && $PY -m mypy --config-file ../../setup.cfg $overlay $patched)
@@ -125,12 +135,19 @@ if [ $docs -eq 1 ]; then
     layout
     PYTHONPATH="$PWD/$TREE" $PY -m sphinx -W --keep-going -q -b html docs/source docs/build/html
     echo "docs: built docs/build/html; running every recipe of the guide"
-    $PY docs/run_recipes.py
+    $PY tutorials/run_recipes.py
 fi
 
 if [ $export -eq 1 ]; then
     layout
     $BUILD export-patch
+fi
+
+if [ -n "$upstream_ci" ]; then
+    ensure_deps torch numpy parameterized
+    layout
+    $PY build_backend/upstream_ci.py "$upstream_ci"
+    exit $?
 fi
 
 if [ -n "$upstream" ]; then
@@ -154,10 +171,13 @@ fi
 if [ $unittests -eq 1 ]; then
     ensure_deps torch numpy pytest pytest_timeout parameterized nibabel tqdm
     layout
-    args=(-p no:cacheprovider --timeout=600)
-    if [ $quick -eq 1 ]; then
-        export QUICKTEST=1
-        args+=(-m "not slow")
-    fi
-    PYTHONPATH="$PWD/$TREE${PYTHONPATH:+:$PYTHONPATH}" $PY -m pytest "${args[@]}" tests "${extra[@]}"
+    args=(-p no:cacheprovider --timeout=900)
+    [ $quick -eq 1 ] && export QUICKTEST=True
+    case "$mode" in
+        default) modepath="" ;;
+        spawn|nofcntl) modepath="$PWD/tests/modes/$mode:"; export MONAI_SHAREDCACHE_TEST_MODE=$mode ;;
+        *) echo "unknown --mode $mode: default, spawn or nofcntl" >&2; exit 2 ;;
+    esac
+    echo "runtests.sh: unittests, mode $mode${QUICKTEST:+, QUICKTEST=$QUICKTEST}"
+    PYTHONPATH="$modepath$PWD/$TREE${PYTHONPATH:+:$PYTHONPATH}" $PY -m pytest "${args[@]}" tests "${extra[@]}"
 fi

@@ -60,7 +60,7 @@ extensions = [
 extlinks = {"issue": ("https://github.com/Project-MONAI/MONAI/issues/%s", "#%s")}
 
 templates_path: list[str] = []
-exclude_patterns = ["recipes/*.py"]
+exclude_patterns: list[str] = []
 source_suffix = {".rst": "restructuredtext"}
 root_doc = "index"
 language = "en"
@@ -78,19 +78,10 @@ autodoc_typehints = "signature"
 # keep signatures readable: no `from __future__` strings evaluated, no long default values expanded
 autodoc_preserve_defaults = True
 
-# the sections our docstrings use besides napoleon's own; rendered like "Note:"/"Example:" paragraphs
+# napoleon's own Google sections only, as MONAI's docs build (tests/fork/test_conventions.py checks the docstrings)
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
-napoleon_custom_sections = [
-    "Storage",
-    "Reading",
-    "Claims",
-    "Faults",
-    "Lifetime",
-    "Security",
-    "Limitations",
-]
 
 # -- html -------------------------------------------------------------------------------------------------------------
 

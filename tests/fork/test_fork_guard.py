@@ -26,7 +26,7 @@ import unittest
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "build_backend"))
 import monai_sharedcache_build as build  # noqa: E402
 

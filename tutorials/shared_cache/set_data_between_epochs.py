@@ -69,9 +69,9 @@ def train(log: str) -> None:
         assert one_epoch(ds) == list(range(16))
         print(f"old data: computed {len(computed_ids(log))}, {store.stats()}")
 
-        ds.set_data(new)  # the same store: capacity 20, the items of ids 0..7 are removed
+        ds.set_data(new)  # the same store: 20 slots now, and the items of ids 0..7 are removed
         print(f"after set_data: {store.stats()}")
-        assert store.stats()["filled"] == 8 and len(store) == 20
+        assert store.stats()["filled"] == 8 and ds.cache_num == 20
 
         done = len(computed_ids(log))
         assert one_epoch(ds) == list(range(8, 28))

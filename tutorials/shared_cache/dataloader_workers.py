@@ -73,11 +73,11 @@ def explicit_store(log: str) -> None:
     store = SharedCacheStore()  # a new private directory /dev/shm/monai-cache-*
     try:
         ds = CacheDataset(data, transform, runtime_cache=store)
-        print(f"  {store.path}: {store.stats()}")  # capacity 16, nothing filled yet
+        print(f"  {store.path}: {store.stats()}")  # nothing filled yet
         run_epochs(ds, log, epochs=2)
         stats = store.stats()
         print(f"  {store.path}: {stats}")
-        assert stats["filled"] == stats["capacity"] == len(data)
+        assert stats["filled"] == stats["computed"] == len(data)
         assert executions(log) == len(data)
     finally:
         store.close()  # this process created it, so closing removes the directory

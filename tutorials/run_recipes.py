@@ -9,11 +9,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-Run every recipe of the user guide (``docs/source/recipes/*.py``) against the patched tree, and fail if one fails.
+Run every recipe of the tutorials companion (``tutorials/shared_cache/*.py``) against the patched tree; fail if one fails.
 
-    python docs/run_recipes.py                 # all of them, (cores + 1) at a time
-    python docs/run_recipes.py -j 1 --only hash_as_key --only faults
-    python docs/run_recipes.py --list
+    python tutorials/run_recipes.py                 # all of them, (cores + 1) at a time
+    python tutorials/run_recipes.py -j 1 --only hash_as_key --only faults
+    python tutorials/run_recipes.py --list
 
 Each recipe is a complete script that checks its own results (it exits non-zero, or prints no final ``ok``, on any
 problem). They run with ``PYTHONPATH=build/tree`` (laid out first if it is stale, as ``runtests.sh`` does) and a
@@ -25,7 +25,7 @@ timeout each, in their own process group, which is killed on timeout:
 - ``multi_node.py`` as two nodes on this machine: two ``torch.distributed.run --nnodes=2 --node_rank=<n>`` launches
   of one rank each, told apart by ``MONAI_CACHE_NODE_ID=node<n>``.
 
-The output of each recipe goes to ``docs/build/recipes/<name>.log`` and is printed if the recipe fails. Exit status:
+The output of each recipe goes to ``build/recipes/<name>.log`` and is printed if the recipe fails. Exit status:
 0 if every selected recipe passed, 1 otherwise, 2 for bad arguments or no patched tree.
 """
 
@@ -43,11 +43,11 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent
-ROOT = DOCS.parent
-RECIPES = DOCS / "source" / "recipes"
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RECIPES = HERE / "shared_cache"
 TREE = ROOT / "build" / "tree"
-LOGS = DOCS / "build" / "recipes"
+LOGS = ROOT / "build" / "recipes"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # one more than the cores: the distributed recipes spend part of their time waiting for each other
 DEFAULT_JOBS = min(8, (os.cpu_count() or 2) + 1)
