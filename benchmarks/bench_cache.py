@@ -15,7 +15,10 @@ upstream MONAI 1.6.1's ``runtime_cache="process"`` (a ``multiprocessing.Manager`
 Every measurement runs in a subprocess of its own, with ``PYTHONPATH`` set to the fork's laid-out tree
 (``build/tree``) or to a pristine upstream 1.6.1 tree that this script unpacks under the output directory. The paths
 of the fork tree are timed hit by hit in one process, interleaved, so that their ratios see the same load; the
-numbers that matter are the RATIOS of one run (the machine may be shared), each a median over repetitions.
+numbers that matter are the RATIOS of one run (the machine may be shared), each a median over repetitions. Every
+run of the hits section measures the store twice: with its Linux fast path (path 5, ``MONAI_CACHE_FAST_PATH=1``) and
+without it (path 5b, the portable store, ``MONAI_CACHE_FAST_PATH=0``, in a job of its own: the variable is read at
+the import of monai), each against the floor and ``copy_cache=True`` timed in its own job.
 
 Run from the repository root::
 
@@ -23,16 +26,19 @@ Run from the repository root::
     python benchmarks/bench_cache.py --small    # quick run, under 2 minutes
     python benchmarks/bench_cache.py --small --sections hits --runs 3
 
-Results go to ``benchmarks/output/`` (``results.json``, ``results.md``, ``bench_cache.png``). The exit code is 0 even
-when a target fails, unless ``--strict`` is given. Linux only (``/proc``, ``/dev/shm``). See ``benchmarks/README.md``
-(the map of the modules: this one is the command, it parses the flags and runs the sections' jobs).
+Results go to ``benchmarks/output/`` (``results.json``, whose ``rows`` the PR descriptions read, ``results.md``,
+``bench_cache.png``). The exit code is 0 even when a target fails, unless ``--strict`` is given. Linux only
+(``/proc``, ``/dev/shm``). See ``benchmarks/README.md`` (the map of the modules: this one is the command, it parses
+the flags and runs the sections' jobs).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -45,7 +51,7 @@ from bench_common import DEFAULT_OUT, FORK_TREE, PATHS
 from bench_machine import hugepage_settings, machine
 from bench_plot import plot
 from bench_report import write
-from bench_run import log, prepare_trees, run_job_main, run_subprocess
+from bench_run import log, prepare_trees, run_job_main, run_subprocess, tree_version
 from bench_summary import summarize
 
 SECTIONS = ("hits", "epochs", "small", "ddp")
@@ -68,7 +74,7 @@ def _config(args: argparse.Namespace, sections: list[str]) -> dict[str, Any]:
     if args.items is not None:
         cfg["items"] = args.items
     cfg["store_root"] = os.path.abspath(args.store_root) if args.store_root else None
-    cfg["sections"], cfg["runs"] = sections, args.runs
+    cfg["sections"], cfg["runs"], cfg["skip_upstream"] = sections, args.runs, bool(args.skip_upstream)
     return cfg
 
 
@@ -108,6 +114,16 @@ def _ddp(args: argparse.Namespace, out_dir: Path, trees: dict[str, Path] | None)
     return result, lines
 
 
+def _fork_version(raw: dict[str, Any]) -> str:
+    """``monai.__version__`` of the fork's tree: as a fork job imported it, else read from the tree."""
+    for key in ("micro_fork", "micro_portable", "epoch_store", "small"):
+        result = raw.get(key)
+        version = result.get("info", {}).get("monai_version") if isinstance(result, dict) else None
+        if version:
+            return str(version)
+    return tree_version(FORK_TREE) or "unknown"
+
+
 def _run(args: argparse.Namespace, cfg: dict[str, Any], out_dir: Path) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """Run the chosen sections: the raw results, and the report lines of the other sections (title: lines)."""
     upstream = None
@@ -118,13 +134,19 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any], out_dir: Path) -> tuple[
     raw: dict[str, Any] = {}
     extra: dict[str, list[str]] = {}
     if "hits" in cfg["sections"]:
-        for run in range(1, args.runs + 1):  # each run in a fresh subprocess
-            tag = "micro_fork" if args.runs == 1 else f"micro_fork-run{run}"
-            result = run_subprocess("micro_fork", FORK_TREE, dict(cfg, run=run), out_dir, args.timeout, tag=tag)
-            if run == 1:
-                raw["micro_fork"] = result
-            else:
-                raw.setdefault("micro_fork_extra_runs", []).append(result)
+        # each run in fresh subprocesses: the store with its fast path (paths 1, 2, 5, 6), then without it (1, 2, 5b;
+        # MONAI_CACHE_FAST_PATH=0 is read at the import of monai, hence a process of its own)
+        for run in range(1, args.runs + 1):
+            for variant, key in (("full", "micro_fork"), ("portable", "micro_portable")):
+                tag = key if args.runs == 1 else f"{key}-run{run}"
+                job_cfg = dict(cfg, run=run, variant=variant)
+                result = run_subprocess(
+                    "micro_fork", FORK_TREE, job_cfg, out_dir, args.timeout, tag=tag, fast_path=variant == "full"
+                )
+                if run == 1:
+                    raw[key] = result
+                else:
+                    raw.setdefault(f"{key}_extra_runs", []).append(result)
         if upstream is not None:
             raw["micro_upstream"] = run_subprocess("micro_upstream", upstream, cfg, out_dir, args.timeout)
     if "epochs" in cfg["sections"]:
@@ -154,7 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sections", default=",".join(SECTIONS), help=f"sections to run (default {','.join(SECTIONS)})"
     )
-    parser.add_argument("--runs", type=int, default=1, help="runs of the hits section, each in a fresh subprocess")
+    parser.add_argument(
+        "--runs", type=int, default=1, help="runs of the hits section (each: the store with and without its fast path)"
+    )
     parser.add_argument("--reps", type=int, help="timed hits per path (default 25, --small 40)")
     parser.add_argument("--items", type=int, help="items K in the DataLoader epochs (default 4, --small 16)")
     parser.add_argument("--epochs", type=int, default=3, help="timed warm epochs (median reported)")
@@ -164,7 +188,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-upstream", action="store_true", help="skip the upstream 1.6.1 ListProxy paths")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT), help="output directory (default benchmarks/output)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a target fails")
-    parser.add_argument("--no-pool", action="store_true", help="disable the store's mapping reuse (to measure it)")
     parser.add_argument("--no-refresh", action="store_true", help="do not refresh build/tree (layout --if-stale)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed for each subprocess")
     parser.add_argument("--job", nargs=3, help=argparse.SUPPRESS)
@@ -180,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     sections = _sections(args.sections, parser)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
-    if args.no_pool:
-        os.environ["MONAI_BENCH_NO_POOL"] = "1"  # read by every job subprocess
     if not sys.platform.startswith("linux"):
         print("this benchmark needs Linux (/proc, /dev/shm)", file=sys.stderr)
         return 2
@@ -189,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = _config(args, sections)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")  # the run's start, UTC
     started = time.perf_counter()
     info = machine()
     info["hugepages"] = hugepage_settings([_default_root(), *([cfg["store_root"]] if cfg["store_root"] else [])])
@@ -203,9 +225,11 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"warning in {key}: {message}")
 
     summary = summarize(raw, cfg)
-    command = "python benchmarks/bench_cache.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    given = argv if argv is not None else sys.argv[1:]
+    command = " ".join(["python benchmarks/bench_cache.py", *(shlex.quote(a) for a in given)])
+    meta = {"date": date, "version": _fork_version(raw), "command": command}
     elapsed = time.perf_counter() - started
-    print(write(out_dir, command, cfg, info, raw, summary, extra, elapsed))
+    print(write(out_dir, meta, cfg, info, raw, summary, extra, elapsed))
     plot_error = plot(summary, out_dir / "bench_cache.png")
     if plot_error:
         print(plot_error, file=sys.stderr)

@@ -76,6 +76,20 @@ PATHS: dict[str, dict[str, Any]] = {
         "numpy": False,
     },
 }
+# measured by the hits section only, in every run: the store without its Linux fast path (the mapping pool, the page
+# checks and userfaultfd), in a job of its own with MONAI_CACHE_FAST_PATH=0 (read at the import of monai); its ratios
+# are to the floor and to copy_cache=True timed in that job
+PORTABLE = "store_portable"
+HIT_PATHS: dict[str, dict[str, Any]] = {
+    PORTABLE: {
+        "label": "5b. fork SharedCacheStore, portable (MONAI_CACHE_FAST_PATH=0)",
+        "short": "fork store, portable",
+        "tree": "fork",
+        "runtime_cache": "process",
+        "copy_cache": True,
+        "numpy": False,
+    },
+}
 # measured only with --store-root DIR (e.g. a tmpfs mounted with huge=within_size): per-hit and fill
 OPTIONAL_PATHS: dict[str, dict[str, Any]] = {
     "store_root": {
@@ -88,12 +102,26 @@ OPTIONAL_PATHS: dict[str, dict[str, Any]] = {
     },
 }
 UPSTREAM_PATHS = ("upstream_tensor", "upstream_numpy")
-ALL_PATHS = {**PATHS, **OPTIONAL_PATHS}
+ALL_PATHS = {**PATHS, **HIT_PATHS, **OPTIONAL_PATHS}
+FAST_PATH_ENV = "MONAI_CACHE_FAST_PATH"  # "0" turns the store's Linux fast path off (read at the import of monai)
+# the modules of the store in the fork's tree (their digest tells which version was measured)
+STORE_MODULES = (
+    "cache_store.py",
+    "_cache_format.py",
+    "_cache_locks.py",
+    "_cache_budget.py",
+    "_cache_counters.py",
+    "_cache_pool.py",
+    "_cache_pages.py",
+    "shared_cache.py",
+    "dataset.py",
+)
 
 TARGETS = {
     "hit_vs_floor": 1.5,  # store hit + crop <= 1.5x the private no-copy floor (median over the --runs)
     "first_read_vs_floor": 1.5,  # store first read of an item + crop <= 1.5x the floor (median over the --runs)
     "speedup_vs_copy": 5.0,  # store >= 5x faster than private copy_cache=True
+    "portable_speedup_vs_copy": 10.0,  # portable store (no fast path) >= 10x faster than private copy_cache=True
     "speedup_vs_upstream_numpy": 20.0,  # store >= 20x faster than upstream ListProxy with numpy items
     "fill_ratio": 1.5,  # store write <= 1.5x a plain os.write of the same bytes to /dev/shm
     "pss_ratio": 1.15,  # footprint of main + 2 workers with the store <= 1.15x one copy of the data
@@ -269,10 +297,21 @@ def job_setup() -> dict[str, Any]:
     import monai
 
     torch.set_num_threads(1)  # as in DataLoader workers; also keeps timings stable on a shared 2-core machine
-    info = {"monai_version": monai.__version__, "monai_file": monai.__file__, "torch_version": torch.__version__}
-    store_file = Path(monai.__file__).parent / "data" / "cache_store.py"
-    if store_file.exists():  # which version of the store was measured (it may be edited between runs)
-        info["cache_store_sha256"] = hashlib.sha256(store_file.read_bytes()).hexdigest()[:16]
+    info: dict[str, Any] = {"monai_version": monai.__version__, "monai_file": monai.__file__}
+    info["torch_version"] = torch.__version__
+    data = Path(monai.__file__).parent / "data"
+    if (data / "cache_store.py").exists():  # which version of the store was measured (it may be edited between runs)
+        digest = hashlib.sha256()
+        for name in STORE_MODULES:
+            if (data / name).exists():
+                digest.update(name.encode() + b"\0" + (data / name).read_bytes())
+        info["store_sha256"] = digest.hexdigest()[:16]
+        try:
+            from monai.data import _cache_pool  # the fork's Linux fast path: on unless MONAI_CACHE_FAST_PATH=0
+
+            info["fast_path"] = bool(_cache_pool.ENABLED)
+        except ImportError:
+            info["fast_path"] = None
     return info
 
 

@@ -28,9 +28,10 @@ from bench_common import PATHS, expected_nbytes, inputs, item_nbytes, job_setup,
 def job_epoch(cfg: dict) -> dict[str, Any]:
     """
     A cold and a few warm epochs with 2 persistent DataLoader workers over ``items`` cached items (timed), then the
-    memory of the main process and its children during one more warm epoch read by 2 fresh workers. ``path="baseline"``: the same loader and
-    crop over a plain ``Dataset`` of one crop-sized item made before the workers start (no cache, no compute), whose
-    memory is subtracted as that of the runtime (interpreter, torch, workers, batches in flight).
+    memory of the main process and its children during one more warm epoch read by 2 fresh workers.
+    ``path="baseline"``: the same loader and crop over a plain ``Dataset`` of one crop-sized item made before the
+    workers start (no cache, no compute), whose memory is subtracted as that of the runtime (interpreter, torch,
+    workers, batches in flight).
     """
     started = time.perf_counter()
     info = job_setup()
@@ -64,8 +65,8 @@ def job_epoch(cfg: dict) -> dict[str, Any]:
             progress=False,
             num_workers=2,
         )
-    slots = getattr(ds, "_runtime", None)
-    store_dir = getattr(slots, "path", None)
+    slots = getattr(ds, "_runtime", None)  # a _StoreSlots (its store's files are counted) or a _ListCache
+    store_dir = getattr(getattr(slots, "store", None), "path", None)
     phases = {"setup": time.perf_counter() - started}
 
     def epoch(loader: Any) -> float:

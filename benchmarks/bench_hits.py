@@ -11,7 +11,8 @@
 """
 The hits section's jobs: per-hit and fill timings of each path, the first read of an item, the breakdown of a hit,
 and the kernel's floor of a first read (``bench_kernel``). ``micro_fork`` runs paths 1, 2, 5 (and 6) in the fork's
-tree, ``micro_upstream`` paths 3 and 4 in the upstream tree.
+tree, and, as its ``portable`` variant in a process with ``MONAI_CACHE_FAST_PATH=0``, paths 1, 2 and 5b (the store
+without its Linux fast path); ``micro_upstream`` runs paths 3 and 4 in the upstream tree.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from typing import Any, cast
 
 import bench_kernel
 from bench_common import (
+    FAST_PATH_ENV,
     PATHS,
+    PORTABLE,
     UPSTREAM_PATHS,
     DeepcopyCounter,
     collate_copy,
@@ -43,20 +46,32 @@ from bench_common import (
 
 def job_micro_fork(cfg: dict) -> dict[str, Any]:
     """
-    Paths 1, 2 and 5 (fork tree), and 6 with ``--store-root``: fill, raw write vs plain write, and hits interleaved
-    path by path (so that their ratios see the same load).
+    The fork tree's paths, timed in one process: fill, raw write vs plain write, and hits interleaved path by path (so
+    that their ratios see the same load), the first read of an item, the breakdown of a hit.
+
+    ``cfg["variant"]`` ``"full"`` (the default): paths 1, 2, 5 (the store with its Linux fast path), the floor with
+    its item in 4 KiB pages and, with ``--store-root``, 6; and the kernel's floor of a first read. ``"portable"``:
+    paths 1, 2 and 5b, the store without its fast path; the driver runs this job with ``MONAI_CACHE_FAST_PATH=0``
+    (read at the import of monai, so it cannot be switched inside one process), and it fails if the fast path is on.
     """
     info = job_setup()
     from monai.data import CacheDataset
     from monai.data.cache_store import SharedCacheStore
 
+    portable = cfg.get("variant", "full") == "portable"
+    if info.get("fast_path") is None:
+        raise RuntimeError("this tree has no monai.data._cache_pool: not the fork's tree")
+    if portable and info["fast_path"]:
+        raise RuntimeError(f"{FAST_PATH_ENV}=0 did not turn the fast path off (_cache_pool.ENABLED is True)")
+    store_name = PORTABLE if portable else "store"
     reps, fill_n, warmup = cfg["reps"], cfg["fill_n"], 2
     data = inputs(cfg, fill_n)
     compute, nbytes = compute_times(cfg, False, cfg["compute_n"])
     tr, first_random = transforms(cfg["roi"], False)
-    res: dict[str, Any] = {"info": info, "item_nbytes": nbytes, "paths": {}}
-    roots = {"store": None}
-    if cfg.get("store_root"):
+    res: dict[str, Any] = {"info": info, "variant": cfg.get("variant", "full"), "run": cfg.get("run"), "paths": {}}
+    res["item_nbytes"] = nbytes
+    roots: dict[str, str | None] = {store_name: None}
+    if cfg.get("store_root") and not portable:
         roots["store_root"] = cfg["store_root"]
 
     # fill: eager (the constructor computes every item) and store (the first read of each item is a miss)
@@ -80,7 +95,7 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
     writes: dict[str, list[float]] = {"private": []}
     plains: dict[str, list[float]] = {}
     file_bytes = 0
-    for r in range(cfg["compute_n"] + 2):
+    for _ in range(cfg["compute_n"] + 2):
         start = time.perf_counter()
         lst[0] = item
         writes["private"].append(time.perf_counter() - start)
@@ -91,20 +106,22 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
         for r in range(cfg["compute_n"] + 2):
             key = f"write-{r}"
             start = time.perf_counter()
-            store.put(0, key, item)
+            stored = store.put(key, item)
             writes[name].append(time.perf_counter() - start)
+            if not stored:
+                raise RuntimeError(f"store.put refused an item of {nbytes / 2**20:.1f} MiB in {store.path}")
             file_bytes = store.stats()["nbytes"]
             plains[name].append(plain_write(os.path.dirname(store.path), arrays))
-            store.invalidate([key], [])
+            store.discard([key])
         store.close()
-    plains["private"] = plains["store"]
+    plains["private"] = plains[store_name]
     del arrays
 
     # hits, interleaved: private no-copy, private copy (same list, copy_cache toggled), store(s), and the floor again
     # with its item in 4 KiB pages: numpy asks for transparent huge pages for its large arrays (the floor's item is in
     # 2 MiB pages), which /dev/shm cannot give without huge= or shmem_enabled; this shows what the page size costs
     counter = DeepcopyCounter()
-    eager_4k = _private_in_small_pages(data[:1], tr)
+    eager_4k = None if portable else _private_in_small_pages(data[:1], tr)
     datasets = {"private_nocopy": (eager, False), "private_copy": (eager, True)}
     if eager_4k is not None:
         datasets["private_nocopy_4k"] = (eager_4k, False)
@@ -142,7 +159,8 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
         cache = "process" if root is None else SharedCacheStore(root=root)
         ds = CacheDataset(inputs(cfg, n_first, start=10_000), tr, runtime_cache=cache, progress=False)
         for i in range(n_first):
-            cast(Any, ds._runtime).put(i, ds._runtime_keys[i], item)
+            if not _slots_store(ds).put(ds._runtime_keys[i], item):
+                raise RuntimeError(f"store.put refused an item of {nbytes / 2**20:.1f} MiB")
         first_sets[name] = ds
     del item
     eager.copy_cache = False
@@ -157,7 +175,7 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
             first[name].append(time.perf_counter() - start)
             first_faults[name] += minflt() - f0
     for ds in first_sets.values():
-        cast(Any, ds._runtime).invalidate(ds._runtime_keys, [])
+        _slots_store(ds).discard(ds._runtime_keys)
     del first_sets
 
     for name in datasets:
@@ -175,14 +193,27 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
         res["paths"][name]["first_read_s"] = first[name]
         res["paths"][name]["first_read_floor_s"] = first["private_nocopy"]
         res["paths"][name]["first_read_minflt"] = first_faults[name] / n_first
-    res["paths"]["store"]["reads_are_private"] = bool(stores["store"]._runtime.reads_are_private)
-    res["paths"]["store"]["file_bytes_per_item"] = file_bytes
-    try:  # uses private functions of cache_store: informative only
-        res["breakdown"] = _breakdown(eager, stores["store"], tr, first_random, reps)
+    import monai.data.dataset as dataset_module
+
+    slots_class = getattr(dataset_module, "_StoreSlots", None)  # the dataset skips the deepcopy of these reads
+    res["paths"][store_name]["reads_are_private"] = slots_class is not None and isinstance(
+        stores[store_name]._runtime, slots_class
+    )
+    res["paths"][store_name]["file_bytes_per_item"] = file_bytes
+    try:  # uses private functions of the store: informative only
+        res["breakdown"] = _breakdown(eager, stores[store_name], store_name, tr, first_random, reps)
     except Exception as err:
         res["breakdown_error"] = f"{type(err).__name__}: {err}"
-    res["kernel_floor"] = {name: _kernel_floor(cfg, eager, ds) for name, ds in stores.items()}
+    if not portable:  # the kernel's work does not depend on the store's fast path
+        res["kernel_floor"] = {name: _kernel_floor(cfg, eager, ds) for name, ds in stores.items()}
+    for ds in stores.values():
+        _slots_store(ds).close()
     return res
+
+
+def _slots_store(ds: Any) -> Any:
+    """The ``SharedCacheStore`` of a dataset whose runtime cache is one (its slots, ``_StoreSlots``, hold it)."""
+    return cast(Any, ds._runtime).store
 
 
 def _anon_huge_kib() -> int:
@@ -196,7 +227,8 @@ def _private_in_small_pages(data: list, tr: Any) -> Any:
 
     from monai.data import CacheDataset
 
-    multiarray = getattr(getattr(np, "_core", None), "multiarray", None) or np.core.multiarray
+    core = getattr(np, "_core", None) or np.core  # type: ignore[attr-defined]  # numpy 2, else 1
+    multiarray = core.multiarray
     set_hugepage = getattr(multiarray, "_set_madvise_hugepage", None)
     if set_hugepage is None:
         return None
@@ -210,17 +242,17 @@ def _private_in_small_pages(data: list, tr: Any) -> Any:
 
 
 def _item_file(store_ds: Any) -> str:
-    """The file of the first item of a dataset's store (by the store's ``_item_path``, else its largest file)."""
-    slots = store_ds._runtime
+    """The file of the first item of a dataset's store (by the store's ``_file``, else its largest item file)."""
+    store = _slots_store(store_ds)
     try:
-        path = slots._item_path(store_ds._runtime_keys[0])
+        path = store._file(store_ds._runtime_keys[0], ".item")
         if os.path.isfile(path):
             return str(path)
     except Exception:  # a private function of the store: fall back on the directory
         pass
-    files = [os.path.join(root, n) for root, _, names in os.walk(slots.path) for n in names if n.endswith(".item")]
+    files = [os.path.join(root, n) for root, _, names in os.walk(store.path) for n in names if n.endswith(".item")]
     if not files:
-        raise FileNotFoundError(f"no item file under {slots.path}")
+        raise FileNotFoundError(f"no item file under {store.path}")
     return max(files, key=os.path.getsize)
 
 
@@ -231,19 +263,22 @@ def _kernel_floor(cfg: dict, eager: Any, store_ds: Any) -> dict[str, Any]:
         eager.copy_cache = False
         arrays = [((4, *cfg["shape"]), 4), ((1, *cfg["shape"]), 1)]  # the image (float32) and the label (uint8)
         res = bench_kernel.measure(path, arrays, cfg["roi"], cfg["first_reps"], lambda: hit(eager))
-        res["store_dir"] = os.path.dirname(store_ds._runtime.path)
+        res["store_dir"] = os.path.dirname(_slots_store(store_ds).path)
         return res
     except Exception as err:
         return {"error": f"{type(err).__name__}: {err}"}
 
 
-def _breakdown(eager: Any, store_ds: Any, tr: Any, first_random: int, reps: int) -> dict[str, Any]:
-    """Where the time of one hit goes, for the floor and for the store: read, crop, copy, release; page faults."""
-    from monai.data import cache_format, cache_mapping
+def _breakdown(eager: Any, store_ds: Any, store_name: str, tr: Any, first_random: int, reps: int) -> dict[str, Any]:
+    """
+    Where the time of one hit goes, for the floor and for the store: read, crop, copy, release; page faults. The
+    store's read is ``_cache_format.read_file``: a mapping of the pool (fast path) or a fresh mapping (portable).
+    """
+    from monai.data import _cache_format
 
-    slots, key = store_ds._runtime, store_ds._runtime_keys[0]
-    item_path = slots._item_path(key)
-    steps: dict[str, dict[str, list[float]]] = {"private_nocopy": {}, "store": {}}
+    store, key = _slots_store(store_ds), store_ds._runtime_keys[0]
+    item_path = _item_file(store_ds)
+    steps: dict[str, dict[str, list[float]]] = {"private_nocopy": {}, store_name: {}}
 
     def record(path: str, step: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         f0 = minflt()
@@ -261,15 +296,15 @@ def _breakdown(eager: Any, store_ds: Any, tr: Any, first_random: int, reps: int)
         record("private_nocopy", "copy", collate_copy, out)
         del data, out
 
-        raw = record("store", "open+mmap", cache_mapping._read_file, item_path)[0]
-        data = record("store", "unpickle", cache_format._decode, raw, key)
+        raw = record(store_name, "open+mmap", _cache_format.read_file, item_path)[0]
+        data = record(store_name, "unpickle", _cache_format.decode, raw, key)
         del raw
-        out = record("store", "crop", tr, data, start=first_random)
-        record("store", "copy", collate_copy, out)
+        out = record(store_name, "crop", tr, data, start=first_random)
+        record(store_name, "copy", collate_copy, out)
         start = time.perf_counter()
-        del data, out  # the last views of the mapping: munmap
-        steps["store"].setdefault("release", []).append(time.perf_counter() - start)
-        record("store", "get() total", slots.get, 0, key)
+        del data, out  # the last views of the mapping: munmap, or back to the pool (fast path)
+        steps[store_name].setdefault("release", []).append(time.perf_counter() - start)
+        record(store_name, "get() total", store.get, key)
     return {path: {step: median(v) for step, v in d.items()} for path, d in steps.items()}
 
 

@@ -16,7 +16,7 @@ made. For one item file, timed interleaved with the floor's hit (medians):
   of each array (exactly the pages a crop of ``roi`` reads; a random crop position at each repetition) + munmap;
 - ``populate``: open + a fresh mapping + ``madvise(MADV_POPULATE_READ)`` of the whole file + munmap.
 
-The arrays are located in the file by its buffer table (see ``monai/data/cache_format.py``: a fixed prefix, the key,
+The arrays are located in the file by its buffer table (see ``monai/data/_cache_format.py``: a fixed prefix, the key,
 then ``(offset, length)`` per out-of-band buffer), each array being the buffer of its byte size. Anything not available
 (no libc, a kernel without ``MADV_POPULATE_READ``, another file format) is reported as an ``error``, never raised.
 """

@@ -9,8 +9,9 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The report: the printed text and ``results.md`` / ``results.json`` (tables, the runs' spread, the kernel's floor of a
-first read, the many-items test, the breakdown of a hit, the huge-page settings, other sections' lines, the targets).
+The report: the printed text and ``results.md`` / ``results.json`` (the rows that the PR descriptions read, tables,
+the runs' spread, the kernel's floor of a first read, the many-items test, the breakdown of a hit, the huge-page
+settings, other sections' lines, the targets).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench_common import ALL_PATHS, MIB
+import bench_rows
+from bench_common import ALL_PATHS, MIB, expected_nbytes
 from bench_machine import hugepage_lines
 from bench_summary import fork_runs
 from bench_tables import fmt, md_table, plain_table, tables
@@ -50,10 +52,15 @@ def small_lines(raw: dict[str, Any]) -> list[str]:
 
 
 def breakdown_lines(raw: dict[str, Any]) -> list[str]:
-    b = raw.get("micro_fork", {}).get("breakdown")
+    """The breakdown of a hit, in the first run: the floor and the store, with its fast path and without it."""
+    b: dict[str, Any] = {}
+    for key in ("micro_fork", "micro_portable"):
+        result = raw.get(key)
+        for path, steps in (result.get("breakdown") or {}).items() if isinstance(result, dict) else ():
+            b.setdefault(path, steps)  # the floor of the full-stack job
     if not b:
         return []
-    lines = ["hit breakdown (median ms; minor page faults; first run):"]
+    lines = ["hit breakdown (median ms; minor page faults; first run; store_portable: MONAI_CACHE_FAST_PATH=0):"]
     for path, steps in b.items():
         parts = [f"{k} {v * 1e3:.3f}" for k, v in steps.items() if not k.endswith("faults")]
         faults = [f"{k.replace(' faults', '')} {v:.0f}" for k, v in steps.items() if k.endswith("faults")]
@@ -69,10 +76,14 @@ def runs_lines(summary: dict[str, Any]) -> list[str]:
     if not series:
         return []
     if runs["n"] == 1:
-        lines = ["hits section: 1 run; ratio to the floor"]
+        lines = [
+            "hits section: 1 run; ratio to the floor of the same job (the store with its fast path; 'portable': "
+            "without it)"
+        ]
     else:
         lines = [
-            f"hits section: {runs['n']} runs, each in a fresh subprocess; ratio to the floor of the same run: "
+            f"hits section: {runs['n']} runs, each in fresh subprocesses (the store with its fast path; without it, "
+            "'portable'); ratio to the floor of the same job: "
             "median (min..max): each run"
         ]
     width = max(len(label) for label in series)
@@ -126,9 +137,17 @@ def kernel_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def notes(summary: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
-    """Informative ratios that are not targets."""
+def notes(summary: dict[str, Any], cfg: dict[str, Any], raw: dict[str, Any] | None = None) -> list[str]:
+    """Informative ratios that are not targets, and warnings about what was measured."""
     lines = []
+    if raw is not None and any(r.get("info", {}).get("fast_path") is False for r in fork_runs(raw)):
+        lines.append("WARNING  path 5 ran without the store's fast path (monai.data._cache_pool.ENABLED is False)")
+    p = summary["paths"].get("store_portable", {})
+    if p.get("floor_vs_full_job_floor") is not None:
+        lines.append(
+            f"INFO  path 5b is timed in a job of its own: its floor / the floor of path 5's job = "
+            f"{p['floor_vs_full_job_floor']:.2f} (median over the runs; about 1 when the load did not change)"
+        )
     if cfg["shape"] != [240, 240, 155]:
         lines.append(
             "NOTE  items smaller than 4x240x240x155: the copies the store avoids are cheap, so the speed-up targets "
@@ -143,16 +162,39 @@ def notes(summary: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _job_infos(raw: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``(raw key, info)`` of every job that reported its ``info`` (the ddp section's result has none)."""
+    out = []
+    for key, value in raw.items():
+        for one in value if isinstance(value, list) else [value]:
+            info = one.get("info") if isinstance(one, dict) else None
+            if isinstance(info, dict):
+                out.append((key, info))
+    return out
+
+
 def header_lines(
-    cfg: dict[str, Any], machine: dict[str, Any], raw: dict[str, Any], summary: dict[str, Any]
+    cfg: dict[str, Any], machine: dict[str, Any], raw: dict[str, Any], summary: dict[str, Any], version: str = "n/a"
 ) -> list[str]:
+    """The report's first lines: the item, the loader, the sections; the machine, the versions, the fast path."""
     one_copy = next((p["one_copy_bytes"] for p in summary["paths"].values() if "one_copy_bytes" in p), 0)
     shape = "x".join(str(s) for s in [4, *cfg["shape"]])
     roi = "x".join(str(s) for s in cfg["roi"])
-    item_mib = (summary["item_nbytes"] or 0) / MIB
-    versions = {k: v.get("info", {}).get("monai_version") for k, v in raw.items() if isinstance(v, dict)}
-    runs = fork_runs(raw)
-    sha = runs[0].get("info", {}).get("cache_store_sha256", "n/a") if runs else "n/a"
+    item_mib = (summary["item_nbytes"] or expected_nbytes(cfg["shape"])) / MIB
+    infos = _job_infos(raw)
+    # the fork's jobs report whether the store's fast path was on (None: the upstream tree, which has none)
+    fork = [(k, i) for k, i in infos if i.get("fast_path") is not None]
+    full = [i for k, i in fork if not k.startswith("micro_portable")]
+    portable = [i for k, i in fork if k.startswith("micro_portable")]
+    upstream = [i for _, i in infos if "fast_path" not in i or i["fast_path"] is None]
+    fork_version = full[0]["monai_version"] if full else portable[0]["monai_version"] if portable else version
+    upstream_version = upstream[0].get("monai_version", "n/a") if upstream else "n/a"
+    sha = (full or portable)[0].get("store_sha256", "n/a") if fork else "n/a"
+    fast_text = "not reported" if not full else "on" if all(i["fast_path"] for i in full) else "OFF (not available)"
+    off_text = ""
+    if portable:
+        off = "off" if not any(i["fast_path"] for i in portable) else "ON (MONAI_CACHE_FAST_PATH=0 not honoured)"
+        off_text = f", {off} in path 5b's"
     loader = (
         f"2 workers, K={cfg['items']} items, batch 1, one copy = {one_copy / MIB:.0f} MiB" if one_copy else "not run"
     )
@@ -162,8 +204,8 @@ def header_lines(
         f"DataLoader: {loader}; sections: {','.join(cfg['sections'])}; hits runs: {cfg['runs']}",
         f"machine: {machine['cpus']} cores, {machine['mem_total_gib']} GiB, shared with other jobs "
         f"(load average {machine['loadavg'][0]} at start, {machine['loadavg_end'][0]} at end); "
-        f"monai {versions.get('micro_fork')} (fork) vs {versions.get('micro_upstream', 'n/a')} (upstream); "
-        f"fork cache_store.py sha256 {sha}",
+        f"monai {fork_version} (fork) vs {upstream_version} (upstream); fork store modules sha256 {sha}; "
+        f"the store's Linux fast path: {fast_text} in the fork's jobs{off_text}",
     ]
 
 
@@ -196,9 +238,33 @@ def _sections(
     ]
 
 
+def machine_line(machine: dict[str, Any]) -> str:
+    """The machine in one line: cores, RAM, kernel."""
+    kernel = machine.get("hugepages", {}).get("kernel") or machine.get("platform", "n/a")
+    return f"{machine.get('cpus')} cores, {machine.get('mem_total_gib')} GiB RAM, Linux {kernel}"
+
+
+def _rows_md(rows: dict[str, dict[str, Any]]) -> list[str]:
+    lines = ["| row | measure | value | target | |", "|---|---|---:|---|---|"]
+    for rid, r in rows.items():
+        verdict = "" if r["pass"] is None else "pass" if r["pass"] else "**miss**"
+        lines.append(f"| `{rid}` | {r['label']} | {r['value']} | {r['target'] or ''} | {verdict} |")
+    return lines
+
+
+def _rows_text(rows: dict[str, dict[str, Any]]) -> list[str]:
+    width = max((len(rid) for rid in rows), default=0)
+    lines = []
+    for rid, r in rows.items():
+        verdict = "" if r["pass"] is None else "  PASS" if r["pass"] else "  FAIL"
+        target = f" ({r['target']})" if r["target"] else ""
+        lines.append(f"  {rid:{width}}  {r['value']}{target}{verdict}  [{r['label']}]")
+    return lines
+
+
 def write(
     out_dir: Path,
-    command: str,
+    meta: dict[str, str],
     cfg: dict[str, Any],
     machine: dict[str, Any],
     raw: dict[str, Any],
@@ -206,20 +272,34 @@ def write(
     extra: dict[str, list[str]],
     elapsed: float,
 ) -> str:
-    """Write ``results.md`` and ``results.json`` to ``out_dir``; return the text to print. ``extra``: more parts
-    (title: lines), e.g. the ddp section's."""
-    header = header_lines(cfg, machine, raw, summary)
+    """
+    Write ``results.md`` and ``results.json`` to ``out_dir``; return the text to print. ``meta``: the run's ``date``
+    (ISO 8601, UTC, of its start), ``version`` (the fork's ``monai.__version__``) and ``command``. ``extra``: more
+    parts (title: lines), e.g. the ddp section's.
+
+    ``results.json`` is what the PR descriptions read: ``{"date", "version", "command", "machine" (one line),
+    "rows" (see ``bench_rows``)}``, and everything else under ``"report"`` (config, machine, summary, raw results).
+    """
+    command = meta["command"].strip()
+    rows = bench_rows.rows(summary, raw, cfg)
+    header = header_lines(cfg, machine, raw, summary, meta["version"])
     huge = hugepage_lines(machine.get("hugepages", {}))
     head1, rows1, head2, rows2 = tables(summary)
     parts = _sections(raw, summary, extra)
-    target_lines = [f"  {c['line']}" for c in summary["checks"]] + [f"  {x}" for x in notes(summary, cfg)]
+    target_lines = [f"  {c['line']}" for c in summary["checks"]] + [f"  {x}" for x in notes(summary, cfg, raw)]
     text = [*header, *huge]
     for _, title, lines in parts:
         if lines:
             text += ["", *([title] if title else []), *lines]
+    if rows:
+        text += ["", f"rows of results.json (run of {meta['date']}, monai {meta['version']}):", *_rows_text(rows)]
     text += ["", "TARGETS (ratios measured in this run):", *target_lines, f"\ntotal time {elapsed:.0f} s"]
 
-    md = ["# CacheDataset runtime cache benchmark", "", f"`{command.strip()}`", "", *[f"- {h}" for h in header]]
+    md = ["# CacheDataset runtime cache benchmark", "", f"`{command}`", ""]
+    md += [f"- date: {meta['date']}", f"- version: `{meta['version']}`", f"- machine: {machine_line(machine)}", ""]
+    if rows:
+        md += [*_rows_md(rows), ""]
+    md += [*[f"- {h}" for h in header]]
     md += ["", "## Kernel huge pages (shmem)", "", *[f"    {line}" for line in huge]]
     for title, _, lines in parts:
         if not lines:
@@ -232,9 +312,17 @@ def write(
         else:
             md += [f"    {line}" for line in lines]
     md += ["", "## Targets", "", *[f"- **{c['status']}** {c['line'][6:]}" for c in summary["checks"]]]
-    md += [f"- {line}" for line in notes(summary, cfg)]
+    md += [f"- {line}" for line in notes(summary, cfg, raw)]
     md += ["", f"Total time {elapsed:.0f} s.", ""]
     (out_dir / "results.md").write_text("\n".join(md))
     report = {"config": cfg, "machine": machine, "summary": summary, "raw": raw, "elapsed_s": elapsed}
-    (out_dir / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    results = {
+        "date": meta["date"],
+        "version": meta["version"],
+        "command": command,
+        "machine": machine_line(machine),
+        "rows": rows,
+        "report": report,
+    }
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
     return "\n".join(text)

@@ -10,7 +10,8 @@
 # limitations under the License.
 """
 How the driver runs the jobs: each in a subprocess of its own (``bench_cache.py --job JOB CFG RESULT``) with
-``PYTHONPATH`` set to one tree (the fork's laid-out tree or a pristine upstream 1.6.1 tree), and the preparation of
+``PYTHONPATH`` set to one tree (the fork's laid-out tree or a pristine upstream 1.6.1 tree) and
+``MONAI_CACHE_FAST_PATH`` set for the fork's store (``1``, or ``0`` for the portable path 5b), and the preparation of
 those trees.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_common import BUILD_SCRIPT, REPO
+from bench_common import BUILD_SCRIPT, FAST_PATH_ENV, REPO
 from bench_epochs import job_epoch
 from bench_hits import job_micro_fork, job_micro_upstream
 from bench_small import job_small
@@ -48,13 +50,6 @@ JOBS: dict[str, Callable[[dict], dict[str, Any]]] = {
 def run_job_main(job: str, cfg_path: str, result_path: str) -> int:
     with open(cfg_path) as f:
         cfg = json.load(f)
-    if os.environ.get("MONAI_BENCH_NO_POOL"):  # --no-pool: every mapping is made anew and unmapped after use
-        try:
-            from monai.data import cache_mapping
-
-            cache_mapping._POOL.MIN_SIZE = sys.maxsize
-        except ImportError:  # the upstream tree
-            pass
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         try:
@@ -73,9 +68,13 @@ def log(msg: str) -> None:
 
 
 def run_subprocess(
-    job: str, tree: Path, cfg: dict, out_dir: Path, timeout: float, tag: str | None = None
+    job: str, tree: Path, cfg: dict, out_dir: Path, timeout: float, tag: str | None = None, fast_path: bool = True
 ) -> dict[str, Any]:
-    """Run one job in a subprocess with ``PYTHONPATH=tree``; returns its result (or an ``error`` entry)."""
+    """
+    Run one job in a subprocess with ``PYTHONPATH=tree``; returns its result (or an ``error`` entry). ``fast_path``:
+    the value of ``MONAI_CACHE_FAST_PATH`` in the subprocess (``1``: the fork's store with its Linux fast path, as
+    the user's environment may say otherwise; ``0``: the portable store; the upstream tree ignores it).
+    """
     label = tag or f"{job} {cfg.get('path', '')}".strip()
     log(f"start {label} ({tree.name})")
     work = out_dir / "jobs"
@@ -86,6 +85,7 @@ def run_subprocess(
     result_file.unlink(missing_ok=True)
     # bytecode of both trees is cached under the output directory, not in the trees (whatever PYTHONDONTWRITEBYTECODE)
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONPYCACHEPREFIX=str(out_dir / "pycache"))
+    env[FAST_PATH_ENV] = "1" if fast_path else "0"
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     cmd = [sys.executable, str(SCRIPT), "--job", job, str(cfg_file), str(result_file)]
     start = time.perf_counter()
@@ -106,6 +106,19 @@ def run_subprocess(
     else:
         log(f"done  {label} in {elapsed:.1f} s")
     return result
+
+
+def tree_version(tree: Path) -> str | None:
+    """``monai.__version__`` of a laid-out tree, read from its ``monai/_version.py`` without importing monai (torch)."""
+    try:
+        spec = importlib.util.spec_from_file_location("_bench_monai_version", tree / "monai" / "_version.py")
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return str(module.get_versions()["version"])
+    except Exception:  # no tree, or another kind of _version.py: the jobs report monai.__version__ anyway
+        return None
 
 
 def _is_pristine(tree: Path) -> bool:

@@ -69,6 +69,7 @@ def job_small(cfg: dict) -> dict[str, Any]:
                 res["correct"] = all(float(kept[i]["x"][-1]) == float(i) for i in range(n))
                 res["open_fds_with_items_alive"] = len(os.listdir("/proc/self/fd"))
                 res["store"] = cast(Any, ds._runtime).stats()
+                res["runtime"] = type(ds._runtime).__name__  # _StoreSlots: the fork's SharedCacheStore
                 head = min(1000, n // 2)
                 res["seq_hit_first_s"] = median(times[:head])
                 res["seq_hit_last_s"] = median(times[-head:])

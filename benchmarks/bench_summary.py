@@ -18,28 +18,51 @@ from __future__ import annotations
 from typing import Any
 
 import bench_kernel
-from bench_common import PATHS, TARGETS, median
+from bench_common import FAST_PATH_ENV, PATHS, PORTABLE, TARGETS, median
 
 # the per-run ratios to the floor: (series name, path, key of the path's stats)
-SERIES = tuple(
-    (f"{prefix} {label}", path, key)
-    for path, prefix in (("store", "store"), ("store_root", "store-root"))
-    for label, key in (
-        ("hit", "hit_x_floor"),
-        ("first read", "first_read_x_floor"),
-        ("kernel touch", "kernel_touch_x_floor"),
-        ("kernel populate", "kernel_populate_x_floor"),
+SERIES = (
+    tuple(
+        (f"{prefix} {label}", path, key)
+        for path, prefix in (("store", "store"), ("store_root", "store-root"))
+        for label, key in (
+            ("hit", "hit_x_floor"),
+            ("first read", "first_read_x_floor"),
+            ("kernel touch", "kernel_touch_x_floor"),
+            ("kernel populate", "kernel_populate_x_floor"),
+        )
     )
-) + (
-    ("floor, item in 4 KiB pages: hit", "private_nocopy_4k", "hit_x_floor"),
-    ("store hit / floor in 4 KiB pages", "store", "hit_x_floor_4k"),
+    + (
+        ("store portable hit", PORTABLE, "hit_x_floor"),
+        ("store portable first read", PORTABLE, "first_read_x_floor"),
+    )
+    + (
+        ("floor, item in 4 KiB pages: hit", "private_nocopy_4k", "hit_x_floor"),
+        ("store hit / floor in 4 KiB pages", "store", "hit_x_floor_4k"),
+    )
 )
 
 
-def fork_runs(raw: dict[str, Any]) -> list[dict[str, Any]]:
-    """The results of the ``micro_fork`` runs (``--runs``) that did not fail."""
-    runs = [raw.get("micro_fork", {}), *raw.get("micro_fork_extra_runs", [])]
+def _runs_of(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    runs = [raw.get(key, {}), *raw.get(f"{key}_extra_runs", [])]
     return [r for r in runs if isinstance(r, dict) and "paths" in r]
+
+
+def fork_runs(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The results of the ``micro_fork`` runs (``--runs``, the store with its fast path) that did not fail."""
+    return _runs_of(raw, "micro_fork")
+
+
+def portable_runs(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The results of the ``micro_portable`` runs (the store without its fast path) that did not fail."""
+    return _runs_of(raw, "micro_portable")
+
+
+def hit_runs(raw: dict[str, Any]) -> list[tuple[dict[str, Any] | None, dict[str, Any] | None]]:
+    """The (full stack, portable) results of each run of the hits section, paired by run number."""
+    full = {r.get("run") or i + 1: r for i, r in enumerate(fork_runs(raw))}
+    portable = {r.get("run") or i + 1: r for i, r in enumerate(portable_runs(raw))}
+    return [(full.get(n), portable.get(n)) for n in sorted(set(full) | set(portable))]
 
 
 def _path_stats(p: dict[str, Any]) -> dict[str, Any]:
@@ -62,19 +85,39 @@ def _path_stats(p: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _run_stats(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The stats of each path of one ``micro_fork`` run, with its ratios to the floor of the same run."""
+def _job_stats(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The stats of each path of one ``micro_fork`` job, with its ratios to the floor and to copy_cache=True of the
+    same job."""
     paths = {name: _path_stats(p) for name, p in result["paths"].items()}
     floor = paths.get("private_nocopy", {}).get("hit_s", float("nan"))
     floor_4k = paths.get("private_nocopy_4k", {}).get("hit_s")
-    for p in paths.values():
+    copy = paths.get("private_copy", {}).get("hit_s")
+    for name, p in paths.items():
         p["hit_x_floor"] = p["hit_s"] / floor
+        p["floor_s"] = floor
         if floor_4k:
             p["hit_x_floor_4k"] = p["hit_s"] / floor_4k
+        if copy and not name.startswith("private"):
+            p["copy_speedup"] = copy / p["hit_s"]  # how much faster than the private list with copy_cache=True
     for name, res in (result.get("kernel_floor") or {}).items():
         k = bench_kernel.summarize(res)
         if name in paths:
             paths[name].update({f"kernel_{key}": value for key, value in k.items()})
+    return paths
+
+
+def _run_stats(full: dict[str, Any] | None, portable: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """
+    The stats of one run of the hits section: the paths of its full-stack job, and path 5b from its portable job,
+    whose ratios are to the floor and to copy_cache=True timed in that job (its floor and copy paths are left out).
+    """
+    paths = _job_stats(full) if full else {}
+    if portable:
+        own = _job_stats(portable)
+        if PORTABLE in own:
+            paths[PORTABLE] = own[PORTABLE]
+            if "private_nocopy" in paths:  # the two jobs' floors, as a check of the machine's load between them
+                paths[PORTABLE]["floor_vs_full_job_floor"] = own[PORTABLE]["floor_s"] / paths["private_nocopy"]["hit_s"]
     return paths
 
 
@@ -150,8 +193,8 @@ def _epochs(raw: dict[str, Any], paths: dict[str, dict[str, Any]]) -> dict[str, 
 
 def summarize(raw: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     """Medians, ratios, the runs' spread and the targets from the raw job results."""
-    runs = fork_runs(raw)
-    per_run = [_run_stats(r) for r in runs]
+    runs = [*fork_runs(raw), *portable_runs(raw)]
+    per_run = [_run_stats(full, portable) for full, portable in hit_runs(raw)]
     paths = _merge(per_run)
     item_nbytes = next((r.get("item_nbytes") for r in runs if r.get("item_nbytes")), None)
     floor = paths.get("private_nocopy", {}).get("hit_s", float("nan"))
@@ -196,12 +239,20 @@ def checks(summary: dict[str, Any], raw: dict[str, Any], cfg: dict[str, Any]) ->
             return "", s["median"]
         return f", median of {len(s['values'])} runs ({s['min']:.2f}..{s['max']:.2f})", s["median"]
 
+    def over(name: str, key: str) -> tuple[str, float | None]:
+        value = paths.get(name, {}).get(key)
+        return (f", median of {n_runs} runs" if n_runs > 1 and value is not None else ""), value
+
     text, value = over_runs("store hit")
-    check("hit_vs_floor", f"store hit+crop vs private no-copy floor{text}", value, True)
+    check("hit_vs_floor", f"store (full stack) hit+crop vs private no-copy floor{text}", value, True)
     text, value = over_runs("store first read")
-    check("first_read_vs_floor", f"store first read of an item + crop vs floor{text}", value, True)
-    check("speedup_vs_copy", "store speed-up vs private copy_cache=True", ratio("private_copy", "store"), False)
-    desc = "store speed-up vs upstream ListProxy numpy items"
+    check("first_read_vs_floor", f"store (full stack) first read of an item + crop vs floor{text}", value, True)
+    text, value = over("store", "copy_speedup")
+    check("speedup_vs_copy", f"store (full stack) speed-up vs private copy_cache=True{text}", value, False)
+    text, value = over(PORTABLE, "copy_speedup")
+    desc = f"portable store ({FAST_PATH_ENV}=0) speed-up vs private copy_cache=True timed in its job{text}"
+    check("portable_speedup_vs_copy", desc, value, False)
+    desc = "store (full stack) speed-up vs upstream ListProxy numpy items"
     check("speedup_vs_upstream_numpy", desc, ratio("upstream_numpy", "store"), False)
     desc = "store write vs plain os.write of the same bytes"
     check("fill_ratio", desc, paths.get("store", {}).get("fill_ratio"), True)
