@@ -8,11 +8,6 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""
-Tests of ``CacheDataset.fill`` and ``CacheDataset.cache_stats``: in every runtime cache mode in one process, with
-DataLoader workers, and with 2 gloo ranks sharing a store from ``create_shared_cache`` (each item computed once per
-node, the work split between the ranks, a progress bar, and a rank killed during the fill).
-"""
 
 from __future__ import annotations
 
@@ -21,48 +16,42 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import tempfile
-import threading
 import time
 import unittest
+import warnings
 from collections import Counter
 from contextlib import redirect_stderr
 from multiprocessing import Manager
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
+from monai.data import CacheDataset, DataLoader, SharedCacheStore
+from monai.data import _cache_counters as cache_counters
+from monai.data import create_shared_cache
 from monai.transforms import Compose, RandomizableTransform, Transform
-from monai.utils import optional_import
+from tests.test_utils import DistCall, DistTestCase, SkipIfNoModule, skip_if_quick
 
-_, has_tqdm = optional_import("tqdm")
-
+NO_STORE = "SharedCacheStore needs fcntl, missing on this platform"
+needs_store = unittest.skipUnless(SharedCacheStore.supported, NO_STORE)
+FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+needs_fork = unittest.skipIf(FORK is None, "needs the fork start method")
 N = 24
-TIMEOUT = 300.0  # seconds for a launch of ranks (interpreters importing MONAI on 2 busy cores)
-IS_LINUX = sys.platform.startswith("linux")
+TIMEOUT = 120
+ITEM_BYTES = 2 * 4 * 4  # the float32 image of an item
+NO_EVENTS = {"hits": 0, "misses": 0, "computed": 0, "refused": 0}
 
 
 class Load(Transform):
-    """
-    Deterministic: ``{"i": i, "img": i * ones}``; logs ``<i> <pid>`` to ``log`` when an item is complete. A process
-    whose ``KILL_AFTER`` environment variable is set dies when it starts one more item than that (an environment
-    variable, not an attribute: an attribute would change the cache key, and the ranks would share nothing).
-    """
+    """Deterministic: ``{"i": i, "img": i * ones}``; logs ``<i> <pid>`` at each computation (one O_APPEND write)."""
 
     def __init__(self, log: str, delay: float = 0.0) -> None:
         self.log, self.delay = log, delay
-        self.started = 0
-        self.lock = threading.Lock()
 
     def __call__(self, i: int) -> dict:
-        with self.lock:
-            self.started += 1
-            kill = "KILL_AFTER" in os.environ and self.started > int(os.environ["KILL_AFTER"])
-        if kill:  # this process dies in the middle of computing an item, holding its claim
-            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.delay)
         fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -79,186 +68,201 @@ class AddOne(RandomizableTransform):
 
 
 def computations(log: str) -> Counter:
-    """How many times each input was computed, and by which processes: ``{i: count}``, ``{pid: count}``."""
+    """How many times each input was computed, by any process."""
     if not os.path.exists(log):
         return Counter()
     with open(log) as f:
         return Counter(int(line.split()[0]) for line in f if line.strip())
 
 
-def computing_pids(log: str) -> Counter:
-    with open(log) as f:
-        return Counter(int(line.split()[1]) for line in f if line.strip())
+def gather(obj: object) -> list:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
-def check_items(ds: CacheDataset) -> None:
-    for i in range(len(ds)):
-        item = ds[i]
-        assert item["i"] == i and torch.equal(item["img"], torch.full((2, 4), i + 1.0)), (i, item)
+def counts(stats: dict) -> dict:
+    return {k: stats[k] for k in NO_EVENTS}
 
 
-class TestFill(unittest.TestCase):
+def _count_and_die(store: SharedCacheStore, hits: int) -> None:
+    """In a forked child: read the item ``k`` ``hits`` times and compute ``c``, then die without any cleanup."""
+    for _ in range(hits):
+        store.get_or_compute("k", lambda: -1)
+    store.get_or_compute("c", lambda: 7)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TestFill(DistTestCase):
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.tmp, True)
         self.log = os.path.join(self.tmp, "log")
 
-    def runtime_cache(self, mode: str) -> object:
+    def runtime_cache(self, mode: str, **kwargs) -> object:
         if mode == "listproxy":
             manager = Manager()
             self.addCleanup(manager.shutdown)
             return manager.list()
         if mode == "store":
-            store = SharedCacheStore()
+            if not SharedCacheStore.supported:
+                self.skipTest(NO_STORE)
+            store = SharedCacheStore(root=self.tmp, **kwargs)
             self.addCleanup(store.close)
             return store
         return {"eager": False, "thread": True, "process": "process", "list": []}[mode]
 
+    def dataset(self, mode: str, data=None, **kwargs) -> CacheDataset:
+        transform = Compose([Load(self.log), AddOne()])
+        kwargs.setdefault("progress", False)
+        cache = self.runtime_cache(mode)
+        return CacheDataset(list(range(N)) if data is None else data, transform, runtime_cache=cache, **kwargs)
+
+    def check_items(self, ds: CacheDataset, data=None) -> None:
+        for i, x in enumerate(range(N) if data is None else data):
+            item = ds[i]
+            self.assertTrue(item["i"] == x and torch.equal(item["img"], torch.full((2, 4), x + 1.0)), (i, item))
+
     @parameterized.expand([("eager",), ("thread",), ("process",), ("list",), ("listproxy",), ("store",)])
     def test_fill_computes_each_item_once(self, mode: str) -> None:
-        data = list(range(N))
-        ds = CacheDataset(
-            data,
-            Compose([Load(self.log), AddOne()]),
-            runtime_cache=self.runtime_cache(mode),
-            num_workers=4,
-            progress=False,
-        )
+        ds = self.dataset(mode, num_workers=4)
         self.assertEqual(sum(computations(self.log).values()), N if mode == "eager" else 0)
         ds.fill()
         self.assertEqual(computations(self.log), Counter(range(N)))
         ds.fill()  # everything is cached: nothing to compute
-        check_items(ds)
-        check_items(ds)
+        self.check_items(ds)
+        self.check_items(ds)
         self.assertEqual(computations(self.log), Counter(range(N)))
         stats = ds.cache_stats()
         self.assertEqual(stats["process"], {"hits": 2 * N, "misses": 0, "computed": N, "refused": 0})
+        self.assertEqual(counts(stats["cache"]), stats["process"])  # this process alone used the cache
         self.assertEqual(stats["cache"]["capacity"], N)
-        if mode == "listproxy":  # not counted: it would copy every item out of the Manager
+        store = mode == "store" or (mode == "process" and SharedCacheStore.supported)
+        if mode == "listproxy" or (mode == "process" and not store):  # not counted: it would copy every item out
             self.assertEqual((stats["cache"]["filled"], stats["cache"]["nbytes"]), (None, None))
-        else:
+        elif store:  # the item files, with their headers
             self.assertEqual(stats["cache"]["filled"], N)
-            self.assertGreaterEqual(stats["cache"]["nbytes"], N * 2 * 4 * 4)
+            self.assertGreater(stats["cache"]["nbytes"], N * ITEM_BYTES)
+        else:
+            self.assertEqual((stats["cache"]["filled"], stats["cache"]["nbytes"]), (N, N * ITEM_BYTES))
 
+    @SkipIfNoModule("tqdm")
     def test_progress_bar(self) -> None:
-        if not has_tqdm:
-            self.skipTest("tqdm is not installed")
-        store = self.runtime_cache("store")
-        ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=True)
-        err = io.StringIO()
-        with redirect_stderr(err):
-            ds.fill()
-        self.assertIn("Loading dataset", err.getvalue())
-        self.assertIn(f"{N}/{N}", err.getvalue())
+        for progress in (True, False):
+            ds = self.dataset("thread", progress=progress)
+            err = io.StringIO()
+            with redirect_stderr(err):
+                ds.fill()
+            self.assertEqual("Loading dataset" in err.getvalue() and f"{N}/{N}" in err.getvalue(), progress)
 
     def test_lazy_misses_then_hits(self) -> None:
-        ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=True, progress=False)
-        check_items(ds)
-        check_items(ds)
+        ds = self.dataset("thread")
+        self.check_items(ds)
+        self.check_items(ds)
         self.assertEqual(ds.cache_stats()["process"], {"hits": N, "misses": N, "computed": N, "refused": 0})
 
-    @unittest.skipUnless(IS_LINUX, "the counts of other processes are kept with Linux locks")
-    def test_store_counts_dataloader_workers(self) -> None:
+    def check_worker_counts(self, context: str) -> None:
         """Workers count in the store: misses and computations in epoch 1, hits in epoch 2, after they exited."""
-        store = self.runtime_cache("store")
-        ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        ds = self.dataset("store")
         for _ in range(2):
-            loader = DataLoader(ds, batch_size=1, num_workers=2, timeout=60, multiprocessing_context="fork")
+            loader = DataLoader(ds, batch_size=1, num_workers=2, timeout=TIMEOUT, multiprocessing_context=context)
             self.assertEqual(sorted(int(b["i"][0]) for b in loader), list(range(N)))
         stats = ds.cache_stats()
-        self.assertEqual(stats["process"], {"hits": 0, "misses": 0, "computed": 0, "refused": 0})  # the workers did
-        counts = {k: stats["cache"][k] for k in ("hits", "misses", "computed", "refused", "filled")}
-        self.assertEqual(counts, {"hits": N, "misses": N, "computed": N, "refused": 0, "filled": N})
+        self.assertEqual(stats["process"], NO_EVENTS)  # the workers did it all
+        self.assertEqual({**counts(stats["cache"]), "filled": stats["cache"]["filled"]},
+                         {"hits": N, "misses": N, "computed": N, "refused": 0, "filled": N})  # fmt: skip
         self.assertEqual(computations(self.log), Counter(range(N)))
 
-    def test_hash_as_key_fills_the_unique_inputs(self) -> None:
-        store = self.runtime_cache("store")
+    @needs_store
+    @needs_fork
+    def test_store_counts_forked_workers(self) -> None:
+        self.check_worker_counts("fork")
+
+    @skip_if_quick
+    @needs_store
+    def test_store_counts_spawned_workers(self) -> None:
+        self.check_worker_counts("spawn")
+
+    @parameterized.expand([("thread",), ("store",)])
+    def test_hash_as_key_fills_the_unique_inputs(self, mode: str) -> None:
         data = [3, 1, 3, 0, 1, 2]
-        ds = CacheDataset(data, Compose([Load(self.log), AddOne()]), hash_as_key=True, runtime_cache=store)
+        ds = self.dataset(mode, data, hash_as_key=True)
         ds.fill()
         self.assertEqual(computations(self.log), Counter({0: 1, 1: 1, 2: 1, 3: 1}))
-        for i, x in enumerate(data):
-            self.assertTrue(torch.equal(ds[i]["img"], torch.full((2, 4), x + 1.0)), (i, x))
+        self.check_items(ds, data)
         self.assertEqual(computations(self.log), Counter({0: 1, 1: 1, 2: 1, 3: 1}))
+        self.assertEqual(ds.cache_stats()["process"], {"hits": 6, "misses": 0, "computed": 4, "refused": 0})
 
     def test_no_runtime_cache_nothing_to_fill(self) -> None:
-        ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), cache_rate=0.5, progress=False)
+        ds = self.dataset("eager", cache_rate=0.5)
         ds.fill()
         self.assertEqual(computations(self.log), Counter(range(N // 2)))
-        self.assertEqual(ds.cache_stats()["cache"]["filled"], N // 2)
+        stats = ds.cache_stats()
+        self.assertEqual((stats["cache"]["filled"], stats["cache"]["capacity"]), (N // 2, N // 2))
+        self.assertEqual(stats["process"], {**NO_EVENTS, "computed": N // 2})
 
+    @parameterized.expand([("budget",), ("fault",)])
+    @needs_store
+    def test_refused_items_are_counted(self, why: str) -> None:
+        """Items that the store cannot keep (past its budget, or after a fault) are computed and counted as refused."""
+        store = self.runtime_cache("store", reserve=0, max_bytes=0 if why == "budget" else None)
+        if why == "fault":  # every write of an item fails: its temporary directory is a file
+            shutil.rmtree(os.path.join(store.path, ".tmp"))
+            open(os.path.join(store.path, ".tmp"), "w").close()
+        ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ds.fill()
+            self.check_items(ds)  # computed again: nothing was stored
+        self.assertEqual(len(caught), 1, [str(w.message) for w in caught])
+        self.assertIn("max_bytes" if why == "budget" else "cannot write", str(caught[0].message))
+        self.assertEqual(computations(self.log), Counter(dict.fromkeys(range(N), 2)))
+        stats = ds.cache_stats()
+        self.assertEqual(stats["process"], {"hits": 0, "misses": N, "computed": 2 * N, "refused": 2 * N})
+        self.assertEqual(store.stats(), {"filled": 0, "nbytes": 0, **stats["process"]})
 
-def _fill_rank(rank: int, world: int, tmp: str, kill_rank: int | None, share: bool) -> None:
-    if share:  # as torchrun sets them: rank 1 starts at the middle; else both start at item 0 and meet all along
-        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    err = open(os.path.join(tmp, f"stderr{rank}"), "w")
-    sys.stderr = err  # the progress bar
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
-    store = create_shared_cache(timeout=TIMEOUT)
-    if rank == kill_rank:
-        os.environ["KILL_AFTER"] = "3"
-    load = Load(os.path.join(tmp, "log"), delay=0.1)
-    ds = CacheDataset(list(range(N)), Compose([load, AddOne()]), runtime_cache=store, num_workers=2, progress=True)
-    ds.fill()
-    err.flush()
-    with open(os.path.join(tmp, f"filled{rank}"), "w") as f:
-        f.write(repr(ds.cache_stats()))
-    check_items(ds)  # every item, from the store: none is computed again (checked by the parent)
-    if kill_rank is None:
+    @needs_store
+    @needs_fork
+    def test_counts_of_killed_processes_are_kept_and_their_slots_reused(self) -> None:
+        """Processes SIGKILLed without cleanup keep their counts; their slots are reused: as many as processes at once."""
+        with mock.patch.object(cache_counters, "_MAX_SLOTS", 2):  # this process and one child at a time
+            store = self.runtime_cache("store")
+            store.put("k", torch.zeros(10))
+            self.assertEqual(store.get_or_compute("k", lambda: -1).sum(), 0)
+            for hits in range(1, 6):
+                child = FORK.Process(target=_count_and_die, args=(store, hits))  # type: ignore[union-attr]
+                child.start()
+                child.join(TIMEOUT)
+                if child.is_alive():
+                    child.kill()
+                self.assertEqual(child.exitcode, -signal.SIGKILL)
+                self.assertEqual(len(os.listdir(os.path.join(store.path, ".counters"))), 2)
+                store.discard(["c"])  # so that the next child computes it again
+        self.assertEqual(counts(store.stats()), {"hits": 1 + 15, "misses": 5, "computed": 5, "refused": 0})
+        self.assertEqual(store.process_stats(), {"hits": 1, "misses": 0, "computed": 0, "refused": 0})
+
+    @skip_if_quick
+    @needs_store
+    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
+    def test_two_ranks_fill_each_item_once_per_node(self) -> None:
+        """2 ranks x 2 threads, each from its share (LOCAL_RANK of LOCAL_WORLD_SIZE): every item computed once."""
+        os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it: rank 1 starts at the middle
+        store = create_shared_cache(root=self.tmp, timeout=TIMEOUT)
+        load, pids = Load(self.log, delay=0.2), gather(os.getpid())
+        ds = CacheDataset(list(range(N)), Compose([load, AddOne()]), runtime_cache=store, num_workers=2, progress=False)
+        ds.fill()
+        dist.barrier()  # both ranks have filled: the node's cache is full
+        self.check_items(ds)  # every item, from the store
+        dist.barrier()
+        self.assertEqual(computations(self.log), Counter(range(N)))
+        with open(self.log) as f:
+            by = dict(map(int, line.split()) for line in f)  # which process computed each item
+        self.assertEqual((by[0], by[N // 2]), tuple(pids))  # each rank started at its share
+        mine = list(by.values()).count(os.getpid())
+        self.assertEqual(ds.cache_stats()["process"], {"hits": N, "misses": 0, "computed": mine, "refused": 0})
+        self.assertEqual(counts(ds.cache_stats()["cache"]), {"hits": 2 * N, "misses": 0, "computed": N, "refused": 0})
         dist.barrier()
         store.close()
-        dist.destroy_process_group()
-    with open(os.path.join(tmp, f"done{rank}"), "w") as f:
-        f.write("ok")
-    os._exit(0)  # with a dead peer, tearing down the process group could wait for it
-
-
-@unittest.skipUnless(IS_LINUX, "spawned gloo ranks sharing /dev/shm")
-class TestFillDistributed(unittest.TestCase):
-    def launch(self, kill_rank: int | None, share: bool = True) -> tuple[str, list[int | None]]:
-        tmp = tempfile.mkdtemp()
-        self.addCleanup(shutil.rmtree, tmp, True)
-        ctx = multiprocessing.get_context("spawn")
-        procs = [ctx.Process(target=_fill_rank, args=(r, 2, tmp, kill_rank, share)) for r in range(2)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + TIMEOUT
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-            p.join(10)
-        self.assertFalse(alive, "a rank did not finish in time")
-        return tmp, [p.exitcode for p in procs]
-
-    @parameterized.expand([("shares",), ("same_start",)])
-    def test_each_item_once_per_node(self, how: str) -> None:
-        """2 ranks x 2 threads fill one store: every item computed once, by both ranks, with a progress bar."""
-        tmp, codes = self.launch(kill_rank=None, share=how == "shares")
-        self.assertEqual(codes, [0, 0])
-        log = os.path.join(tmp, "log")
-        self.assertEqual(computations(log), Counter(range(N)))
-        self.assertEqual(len(computing_pids(log)), 2)  # the work was split between the two ranks
-        for rank in range(2):
-            with open(os.path.join(tmp, f"stderr{rank}")) as f:
-                err = f.read()
-            if has_tqdm:
-                self.assertIn("Loading dataset", err)
-                self.assertIn(f"{N}/{N}", err)
-
-    def test_killed_rank_leaves_its_share_to_the_other(self) -> None:
-        """Rank 1 is SIGKILLed while computing its 4th item: rank 0 computes the rest, each item completes once."""
-        tmp, codes = self.launch(kill_rank=1)
-        self.assertEqual(codes, [0, -signal.SIGKILL])
-        self.assertTrue(os.path.exists(os.path.join(tmp, "done0")))
-        log = os.path.join(tmp, "log")
-        self.assertEqual(computations(log), Counter(range(N)))  # complete computations: once each, none lost
-        by_pid = computing_pids(
-            log
-        )  # the killed rank completed 2 or 3 items (its 4th start killed it): rank 0 the rest
-        self.assertEqual(len(by_pid), 2)
-        self.assertIn(min(by_pid.values()), (2, 3))
 
 
 if __name__ == "__main__":

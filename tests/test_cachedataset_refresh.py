@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 import unittest
 from collections import Counter
 from multiprocessing import Manager
@@ -24,28 +23,33 @@ import torch
 import torch.distributed as dist
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
+from monai.data import CacheDataset, SharedCacheStore, create_shared_cache
 from monai.transforms import Compose, RandomizableTransform, Transform
+from tests.test_utils import DistCall, DistTestCase, skip_if_quick
 
+needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 N = 6
-TIMEOUT = 300
+TIMEOUT = 120
 
 
 class Load(Transform):
-    """Reads an input file (rewritten in place by the tests) and logs each computation to ``log``."""
+    """Reads an input file (rewritten in place by the tests); logs each computation (one O_APPEND write)."""
 
     def __init__(self, log: str) -> None:
         self.log = log
 
-    def __call__(self, path):
-        with open(self.log, "a") as f:
-            f.write(os.path.basename(path) + "\n")
+    def __call__(self, path: str) -> dict:
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (os.path.basename(path) + "\n").encode())
+        finally:
+            os.close(fd)
         return {"path": path, "img": torch.as_tensor(np.load(path))}
 
 
 class AddOne(RandomizableTransform):
-    def __call__(self, d):
-        d["img"] += 1
+    def __call__(self, d: dict) -> dict:
+        d["img"] += 1  # in place: an item shared with the cache would drift
         return d
 
 
@@ -61,77 +65,71 @@ def computed(log: str) -> Counter:
         return Counter(f.read().split())
 
 
-class TestRefresh(unittest.TestCase):
+class TestRefresh(DistTestCase):
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.tmp, True)
         self.log = os.path.join(self.tmp, "log")
+        self.paths = write_inputs(self.tmp, 0.0)
 
     def check(self, ds: CacheDataset, offset: float) -> None:
         for i in range(N):
-            self.assertTrue(torch.equal(ds[i]["img"], torch.full((2, 3), offset + i + 1.0)), (i, ds[i]["img"]))
+            img = ds[i]["img"]
+            self.assertTrue(torch.equal(img, torch.full((2, 3), offset + i + 1.0)), (i, img))
 
-    @parameterized.expand([("eager",), ("thread",), ("process",), ("listproxy",), ("store",)])
-    def test_inputs_rewritten_in_place(self, mode):
-        cache: object = {"eager": False, "thread": True, "process": "process"}.get(mode)
-        if mode == "listproxy":
-            manager = Manager()
-            self.addCleanup(manager.shutdown)
-            cache = manager.list()
-        if mode == "store":
-            cache = SharedCacheStore()
-            self.addCleanup(cache.close)
-        paths = write_inputs(self.tmp, 0.0)
+    def check_refresh(self, cache: object, keeps_on_set_data: bool = True) -> None:
+        paths = self.paths
         ds = CacheDataset(paths, Compose([Load(self.log), AddOne()]), runtime_cache=cache, progress=False)
         self.check(ds, 0.0)
         write_inputs(self.tmp, 100.0)  # the same paths, so the same content keys
-        if mode not in ("eager", "thread"):  # those two fill a new cache at every set_data, as upstream
+        if keeps_on_set_data:  # True, "thread" (and "process" without a store) fill a new list at set_data, as upstream
             ds.set_data(paths)
         self.check(ds, 0.0)  # still the cached items: set_data keeps the items of unchanged keys
+        self.assertEqual(computed(self.log), Counter({os.path.basename(p): 1 for p in paths}))
         ds.refresh()
         self.check(ds, 100.0)
         self.check(ds, 100.0)  # and cached again
         self.assertEqual(computed(self.log), Counter({os.path.basename(p): 2 for p in paths}))
 
+    @parameterized.expand([("eager", False, False), ("true", True, False), ("thread", "thread", False)])
+    def test_private_caches(self, _, cache, keeps) -> None:
+        self.check_refresh(cache, keeps)
 
-def _rank(rank: int, world: int, tmp: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
-    try:
-        store = create_shared_cache(timeout=TIMEOUT)
-        paths = [os.path.join(tmp, f"in{i}.npy") for i in range(N)]
-        ds = CacheDataset(paths, Compose([Load(os.path.join(tmp, "log")), AddOne()]), runtime_cache=store)
-        sampler = torch.utils.data.distributed.DistributedSampler(ds, shuffle=False)
-        loader = DataLoader(ds, batch_size=1, sampler=sampler)
+    @parameterized.expand([("process",), ("list",), ("listproxy",)])
+    def test_shared_caches(self, mode) -> None:
+        cache: object = "process" if mode == "process" else []
+        if mode == "listproxy":
+            manager = Manager()
+            self.addCleanup(manager.shutdown)
+            cache = manager.list()
+        self.check_refresh(cache, mode != "process" or SharedCacheStore.supported)
+
+    @needs_store
+    def test_store(self) -> None:
+        store = SharedCacheStore(root=self.tmp)
+        self.addCleanup(store.close)
+        store.put("other", 1)  # an item of another dataset: kept
+        self.check_refresh(store)
+        self.assertEqual(store.get("other"), 1)
+
+    @skip_if_quick
+    @needs_store
+    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
+    def test_one_rank_refreshes_for_the_node(self) -> None:
+        """2 ranks share one store: rank 0 refreshes between barriers, both then read the new items, computed once."""
+        rank, store = dist.get_rank(), create_shared_cache(root=self.tmp, timeout=TIMEOUT)
+        ds = CacheDataset(self.paths, Compose([Load(self.log), AddOne()]), runtime_cache=store)
         for epoch, offset in enumerate((0.0, 0.0, 100.0)):
             dist.barrier()  # every rank has finished the epoch
-            if epoch == 2 and rank == 0:  # one rank per node (this one node) rewrites the inputs and drops the items
-                write_inputs(tmp, 100.0)
+            if epoch == 2 and rank == 0:  # one rank per node rewrites the inputs and drops the items
+                write_inputs(self.tmp, 100.0)
                 ds.refresh()
             dist.barrier()  # no rank reads before the items are dropped
-            for batch in loader:
-                i = int(os.path.basename(batch["path"][0])[2:-4])
-                assert torch.equal(batch["img"][0], torch.full((2, 3), offset + i + 1.0)), (rank, epoch, i)
+            self.check(ds, offset)  # every item, in both ranks at once
         dist.barrier()
-        store.close()
-    finally:
-        dist.destroy_process_group()
-
-
-class TestRefreshDistributed(unittest.TestCase):
-    def test_one_rank_refreshes_for_the_node(self):
-        """2 gloo ranks share one store: rank 0 refreshes between epochs, both read the new items, computed once."""
-        tmp = tempfile.mkdtemp()
-        self.addCleanup(shutil.rmtree, tmp, True)
-        paths = write_inputs(tmp, 0.0)
-        ctx = torch.multiprocessing.spawn(_rank, args=(2, tmp), nprocs=2, join=False, start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                self.fail("the ranks did not finish in time")
         # each input computed once per version across the node: before and after the refresh
-        self.assertEqual(computed(os.path.join(tmp, "log")), Counter({os.path.basename(p): 2 for p in paths}))
+        self.assertEqual(computed(self.log), Counter({f"in{i}.npy": 2 for i in range(N)}))
+        store.close()
 
 
 if __name__ == "__main__":

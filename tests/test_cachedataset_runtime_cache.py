@@ -12,11 +12,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
-import textwrap
 import unittest
+import warnings
 from multiprocessing import Manager
 
 import torch
@@ -24,6 +22,7 @@ from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
+from tests.test_utils import skip_if_windows
 
 DATA = list(range(8))
 MODES = [False, True, "thread", "process", "list", "listproxy"]
@@ -143,18 +142,19 @@ class TestRuntimeCache(unittest.TestCase):
         with self.assertRaisesRegex(error, "runtime_cache.*accepted"):
             CacheDataset(DATA, Load(), runtime_cache=value)
 
+    @skip_if_windows  # there a spawned worker writes to its standard error handle, which dup2 does not redirect
     def test_worker_warning(self):
-        code = textwrap.dedent(f"""
-            import sys
-            sys.path.insert(0, {os.path.dirname(__file__)!r})
-            from test_cachedataset_runtime_cache import DATA, Load
-            from monai.data import CacheDataset, DataLoader
-            ds = CacheDataset(DATA, Load(), runtime_cache=True)
-            print(sorted(int(s) for b in DataLoader(ds, batch_size=2, num_workers=1, timeout=60) for s in b["src"]))
-            """)
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-        self.assertEqual(proc.stdout.strip(), str(DATA), proc.stderr)
-        self.assertEqual(proc.stderr.count("is filled in a DataLoader worker"), 1, proc.stderr)
+        ds, saved = CacheDataset(DATA, Load(), runtime_cache=True), os.dup(2)
+        self.addCleanup(os.close, saved)
+        self.addCleanup(os.dup2, saved, 2)  # first: the standard error of the test back
+        with tempfile.TemporaryFile() as err, warnings.catch_warnings():
+            warnings.simplefilter("default")  # once per location, whatever a test runner set
+            warnings.showwarning = lambda m, c, f, n, *_: os.write(2, warnings.formatwarning(m, c, f, n).encode())
+            os.dup2(err.fileno(), 2)  # a worker, forked or spawned, inherits fd 2 and prints its warnings there
+            got = sorted(int(s) for b in DataLoader(ds, batch_size=2, num_workers=1, timeout=60) for s in b["src"])
+            text = os.pread(err.fileno(), 1 << 16, 0).decode()
+        self.assertEqual(got, DATA, text)
+        self.assertEqual(text.count("is filled in a DataLoader worker"), 1, text)
 
 
 if __name__ == "__main__":

@@ -8,579 +8,219 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""
-Tests of ``create_shared_cache`` with real processes: DDP ranks on gloo (CPU), started with ``mp.spawn`` and as
-separate interpreters like ``torchrun`` starts them, with DataLoader workers, simulated nodes, early exits, a removed
-directory, crashed owners, timeouts, and a rank that builds no dataset.
-
-Every spawned interpreter imports MONAI (several seconds on 2 cores), so the scenarios are grouped into two launches:
-one ``mp.spawn`` run of 2 ranks and one ``torchrun``-style run of 4 ranks as 2 simulated nodes.
-"""
 
 from __future__ import annotations
 
-import json
-import multiprocessing
+import functools
 import os
 import shutil
-import signal
-import socket
 import stat
-import subprocess
-import sys
 import tempfile
 import time
 import unittest
 import warnings
 from collections import Counter
-from datetime import timedelta
-from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 from parameterized import parameterized
-from torch.utils.data.distributed import DistributedSampler
 
-from monai.data import CacheDataset, DataLoader
-from monai.data.cache_store import SharedCacheStore
-from monai.data.shared_cache import NODE_ID_ENV, create_shared_cache
-from monai.transforms import Compose, Randomizable, Transform
+from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
+from monai.transforms import Compose, RandomizableTransform, Transform
+from tests.test_utils import DistCall, DistTestCase, skip_if_quick
 
-slow: Any
-try:
-    import pytest
-
-    slow = pytest.mark.slow
-except ImportError:  # pragma: no cover
-
-    def _unmarked(obj: Any) -> Any:
-        return obj
-
-    slow = _unmarked
+needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
+N = 12
+TIMEOUT = 120  # seconds for any wait on another process
+SHORT = 3.0  # the `timeout` of create_shared_cache while the other rank never calls it
 
 
-IS_LINUX = sys.platform.startswith("linux")
-QUICKTEST = os.environ.get("QUICKTEST", "").strip().lower() in ("1", "true", "yes", "on")
-LAUNCH_TIMEOUT = 300.0  # seconds for a whole multi-process launch (interpreters importing MONAI on 2 busy cores)
-PG_TIMEOUT = 90.0  # seconds, the timeout of the ranks' process groups: a mismatched collective fails, never hangs
-WAIT = 60.0  # seconds for any other wait on another process
-N_ITEMS = 12
-FORK = multiprocessing.get_context("fork") if IS_LINUX else None
-WORKER_FLAG = "--torchrun-style-rank"
-TIMEOUT = 3.0  # seconds, the `timeout` of create_shared_cache while one rank never calls it
-
-
-# -- the pipeline: a deterministic transform that logs each execution, then a random one that works in place ----------
-
-
-class CountedLoad(Transform):
-    """Deterministic: appends one line ``<id> <pid>`` to ``log`` per execution (O_APPEND: atomic across processes)."""
+class Load(Transform):
+    """Deterministic: logs ``<i> <pid>`` at each computation (one O_APPEND write: atomic across processes)."""
 
     def __init__(self, log: str) -> None:
         self.log = log
 
-    def __call__(self, d: dict) -> dict:
+    def __call__(self, i: int) -> dict:
+        time.sleep(0.05)  # long enough for the other readers of the item to miss it meanwhile
         fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            os.write(fd, f"{d['id']} {os.getpid()}\n".encode())
+            os.write(fd, f"{i} {os.getpid()}\n".encode())
         finally:
             os.close(fd)
-        return {"id": d["id"], "img": torch.full((2, 3), float(d["id"]))}
+        return {"i": i, "img": torch.full((2, 3), float(i))}
 
 
-class RandShift(Randomizable, Transform):
-    """Random: adds a random integer ``r`` to the image in place (a shared, unprotected cached item would change)."""
-
-    def __init__(self) -> None:
-        self.r = 0
-
-    def randomize(self, data: Any = None) -> None:
-        self.r = int(self.R.randint(1, 1000))
-
+class AddOne(RandomizableTransform):
     def __call__(self, d: dict) -> dict:
-        self.randomize()
-        d["img"] += self.r
-        d["r"] = self.r
+        d["img"] += 1  # in place: an item shared with the cache would come back with 2, then 3
         return d
 
 
-def make_dataset(log: str, store: Any) -> CacheDataset:
-    data = [{"id": i} for i in range(N_ITEMS)]
-    return CacheDataset(data, Compose([CountedLoad(log), RandShift()]), runtime_cache=store, progress=False)
-
-
-def executions(log: str) -> Counter:
-    """How many times the deterministic transform ran for each id."""
+def computed(log: str) -> Counter:
+    """How many times each input was computed, by any process."""
     if not os.path.exists(log):
         return Counter()
     with open(log) as f:
         return Counter(int(line.split()[0]) for line in f if line.strip())
 
 
-def check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise AssertionError(msg)
+def _meet(where: str, n: int, worker_id: int) -> None:
+    """A DataLoader worker's init: wait until ``n`` workers (of all ranks) have started, so that they read at once."""
+    open(os.path.join(where, f"worker-{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + TIMEOUT
+    while len([f for f in os.listdir(where) if f.startswith("worker-")]) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
-def run_epochs(ds: CacheDataset, rank: int, world: int, epochs: list[int], workers: int) -> set[int]:
-    """Iterate ``ds`` with a shuffling DistributedSampler; check every item; return the ids this rank got."""
-    sampler: DistributedSampler[Any] = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=7)
-    # fork workers: the ranks of mp.spawn default to spawn, and a spawned worker re-imports MONAI (~10 s each)
-    context = "fork" if workers and IS_LINUX else None
-    # a bounded wait for the workers: a worker that hangs (e.g. a child deadlocked inside fork itself, as older
-    # Python 3.11 releases can when another thread holds the runtime lock, CPython gh-112275) fails this rank and is
-    # terminated by its loader, instead of blocking the rank until its process group times out and living on, orphaned
-    loader = DataLoader(
-        ds,
-        batch_size=2,
-        sampler=sampler,
-        num_workers=workers,
-        multiprocessing_context=context,
-        timeout=WAIT if workers else 0,
-    )
-    seen: set[int] = set()
-    for epoch in epochs:
-        sampler.set_epoch(epoch)
-        got = []
-        for batch in loader:
-            for i, img, r in zip(batch["id"].tolist(), batch["img"], batch["r"].tolist()):
-                check(1 <= r < 1000, f"rank {rank}: item {i} did not go through the random transform")
-                expected = torch.full((2, 3), float(i + r))
-                check(torch.equal(torch.as_tensor(img), expected), f"rank {rank} epoch {epoch}: wrong item {i}")
-                got.append(i)
-        check(sorted(got) == sorted(sampler), f"rank {rank} epoch {epoch}: got {sorted(got)}, not {sorted(sampler)}")
-        seen.update(got)
-    return seen
-
-
-def gather(obj: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
+def gather(obj: object) -> list:
+    out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
 
-def store_dirs(root: str) -> list[str]:
-    return sorted(n for n in os.listdir(root) if n.startswith("monai-cache-"))
-
-
-def participants(path: str) -> int:
-    """How many store objects participate in the store ``path``: the flock holders of its ``.lock`` (/proc/locks)."""
-    st = os.stat(os.path.join(path, ".lock"))
-    with open("/proc/locks") as f:
-        fields = [line.split() for line in f]
-    suffix = f":{st.st_ino}"
-    return sum(1 for x in fields if len(x) > 5 and x[1] == "FLOCK" and x[5].endswith(suffix))
-
-
-def wait_for(cond: Any, what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def write_facts(tmp: str, rank: int, facts: dict) -> None:
-    path = os.path.join(tmp, f"facts-{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(facts, f)
-    os.replace(path + ".tmp", path)
-
-
-def read_facts(tmp: str, rank: int) -> dict:
-    with open(os.path.join(tmp, f"facts-{rank}.json")) as f:
-        return json.load(f)  # type: ignore[no-any-return]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# -- the mp.spawn launch: 2 ranks on one node ------------------------------------------------------------------------
-
-
-def spawn_rank(rank: int, world: int, tmp: str, root: str) -> None:
-    """Every scenario of one node, in order; the last one ends with rank 0 exiting early."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT)
-    )
-    facts: dict[str, Any] = {"pid": os.getpid(), "times": []}
-    t0 = time.monotonic()
-
-    def mark(label: str) -> None:
-        facts["times"].append((label, round(time.monotonic() - t0, 2)))
-
-    try:
-        # 1. the creator (rank 0) cannot create its store: every rank gets an error, none hangs
-        bad_root = os.path.join(tmp, "no-such-dir", "root")
-        try:
-            create_shared_cache(path=bad_root if rank == 0 else root)
-            facts["error"] = "returned a store"
-        except RuntimeError as err:
-            facts["error"] = str(err)
-        dist.barrier()
-
-        mark("phase 2")
-        # 2. the main scenario: 2 ranks x 2 DataLoader workers, shuffling DistributedSampler, 3 epochs. The exchange
-        # runs over a private gloo group because of `timeout`
-        store = create_shared_cache(path=root, timeout=60)
-        facts["main_paths"] = gather(store.path)
-        facts["main_dirs"] = store_dirs(root)
-        facts["main_mode"] = stat.S_IMODE(os.stat(store.path).st_mode)
-        log = os.path.join(tmp, "main.log")
-        run_epochs(make_dataset(log, store), rank, world, [0, 1, 2], workers=2)
-        dist.barrier()
-        facts["main_executions"] = dict(executions(log))
-        facts["main_filled"] = store.stats()["filled"]
-        dist.barrier()
-        store.close()
-        dist.barrier()
-        facts["main_exists_after_close"] = os.path.exists(store.path)
-
-        mark("phase 3")
-        # 3. rank 1 builds no dataset and goes straight to a barrier, while rank 0 builds one and iterates it with
-        # workers: a collective call hidden in CacheDataset or its loader would be paired with that barrier
-        store = create_shared_cache(path=root)
-        if rank == 0:
-            log = os.path.join(tmp, "lonely.log")
-            run_epochs(make_dataset(log, store), 0, 1, [0, 1], workers=2)
-            facts["lonely_executions"] = dict(executions(log))
-        dist.barrier()
-        store.close()
-        dist.barrier()
-
-        mark("phase 4")
-        # 4. over a gloo subgroup (monitored barrier for `timeout`), the directory is removed between epochs by
-        # rank 1: both ranks finish with right items (computed again) and warn, without workers to catch warnings
-        sub = dist.new_group([0, 1], backend="gloo")
-        store = create_shared_cache(sub, path=root, timeout=60)
-        log = os.path.join(tmp, "removed.log")
-        ds = make_dataset(log, store)
-        run_epochs(ds, rank, world, [0], workers=0)
-        dist.barrier()
-        if rank == 1:
-            shutil.rmtree(store.path)
-        dist.barrier()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            run_epochs(ds, rank, world, [1, 2], workers=0)
-        facts["removed_warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-        store.close()
-        dist.barrier()
-        facts["removed_executions"] = dict(executions(log))
-        dist.destroy_process_group(sub)
-
-        mark("phase 5")
-        # 5. rank 0 exits right after the first epoch; rank 1 goes on with cache hits, the directory stays until
-        # rank 1, the last participant, closes it
-        store = create_shared_cache(path=root)
-        gather(os.getpid())
-        log = os.path.join(tmp, "early.log")
-        ds = make_dataset(log, store)
-        run_epochs(ds, rank, world, [0], workers=2)
-        dist.barrier()
-        facts["early_path"] = store.path
-        if rank == 0:
-            facts["done"] = True
-            mark("end")
-            return  # exits without close(): the store's exit hook removes this rank's marker only
-        wait_for(lambda: participants(store.path) == 1, "rank 0 to leave")  # rank 1's own lock is left
-        facts["early_markers_after_rank0"] = participants(store.path)
-        before = executions(log)
-        run_epochs(ds, rank, world, [1, 2], workers=2)
-        facts["early_executions_before"] = dict(before)
-        facts["early_executions_after"] = dict(executions(log))
-        facts["early_exists_before_close"] = os.path.isdir(store.path)
-        store.close()
-        facts["early_exists_after_close"] = os.path.exists(store.path)
-        facts["done"] = True
-        mark("end")
-    finally:
-        write_facts(tmp, rank, facts)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-# -- the torchrun-style launch: 4 separate interpreters, 2 simulated nodes of 2 ranks -----------------------------------
-
-
-def torchrun_style_rank(tmp: str, root: str) -> None:
-    """Like a rank started by ``torchrun``: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT and the node in the env."""
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=PG_TIMEOUT))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    node = os.environ[NODE_ID_ENV]
-    facts: dict[str, Any] = {"node": node, "local_rank": int(os.environ["LOCAL_RANK"])}
-    try:
-        store = create_shared_cache(path=root)  # the node comes from $MONAI_CACHE_NODE_ID
-        facts["paths"] = gather(store.path)
-        facts["nodes"] = gather(node)
-        facts["authkeys"] = gather(bytes(multiprocessing.current_process().authkey).hex())
-        log = os.path.join(tmp, f"{node}.log")
-        seen = run_epochs(make_dataset(log, store), rank, world, [0, 1], workers=1)
-        facts["seen"] = gather(sorted(seen))
-        dist.barrier()
-        facts["executions"] = {n: dict(executions(os.path.join(tmp, f"{n}.log"))) for n in sorted(set(facts["nodes"]))}
-        dist.barrier()
-        store.close()
-        dist.barrier()
-
-        # a rank that never calls create_shared_cache: the others fail after `timeout`, they do not hang
-        if rank == world - 1:
-            write_facts(tmp, rank, facts)
-            others = [os.path.join(tmp, f"facts-timeout-{r}.json") for r in range(world - 1)]
-            wait_for(lambda: all(os.path.exists(p) for p in others), "the other ranks to time out", LAUNCH_TIMEOUT)
-            return
-        start = time.monotonic()
-        try:
-            create_shared_cache(path=root, timeout=TIMEOUT).close()
-            outcome: dict[str, Any] = {"raised": None}
-        except Exception as err:  # recorded, and checked by the test: only the timeout of the collective may pass
-            outcome = {
-                "raised": f"{type(err).__module__}.{type(err).__qualname__}",
-                "is_runtime_error": isinstance(err, RuntimeError),
-                "message": str(err),
-            }
-        facts["timeout"] = {**outcome, "seconds": time.monotonic() - start}
-        write_facts(tmp, rank, facts)
-        with open(os.path.join(tmp, f"facts-timeout-{rank}.json"), "w") as f:
-            f.write("done")
-    finally:
-        if not os.path.exists(os.path.join(tmp, f"facts-{rank}.json")):
-            write_facts(tmp, rank, facts)
-        dist.destroy_process_group()
-
-
-# -- forked helpers of the single-process tests -----------------------------------------------------------------------
-
-
-def _create_and_hang(root: str, conn: Any) -> None:
-    store = create_shared_cache(path=root)
-    conn.send(store.path)
-    time.sleep(WAIT)
-
-
-def _create_in_world_of_one(root: str, init: str, conn: Any) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1, timeout=timedelta(seconds=WAIT))
-    store = create_shared_cache(path=root, node_id="solo")
-    conn.send((store.path, store_dirs(root)))
-    store.close()
-    dist.destroy_process_group()
-
-
-# -- tests ------------------------------------------------------------------------------------------------------------
-
-
-class SharedCacheTestCase(unittest.TestCase):
+class TestCreateSharedCache(DistTestCase):
     def setUp(self) -> None:
-        self.tmp = tempfile.mkdtemp(prefix="monai-test-shared-cache-")
-        self.root = os.path.join(self.tmp, "root")
+        self.tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.root, self.log = os.path.join(self.tmp, "root"), os.path.join(self.tmp, "log")
         os.mkdir(self.root, 0o700)
-        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
 
+    def dataset(self, store: SharedCacheStore) -> CacheDataset:
+        return CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
 
-class TestLocal(SharedCacheTestCase):
-    @parameterized.expand([("zero", 0), ("negative", -1.5)])
-    def test_bad_timeout(self, _: str, timeout: float) -> None:
-        with self.assertRaises(ValueError):
-            create_shared_cache(path=self.root, timeout=timeout)
+    def read_all(self, ds: CacheDataset, ranks: int = 1) -> None:
+        """Read every item twice with 2 DataLoader workers, which start together with those of the other ranks."""
+        init = functools.partial(_meet, self.tmp, 2 * ranks)
+        loader = DataLoader(
+            ds, batch_size=2, num_workers=2, timeout=TIMEOUT, persistent_workers=True, worker_init_fn=init
+        )
+        for _ in range(2):  # the same order in every rank: the ranks' workers miss the same items at the same time
+            got = []
+            for batch in loader:
+                for i, img in zip(batch["i"].tolist(), batch["img"]):
+                    self.assertTrue(torch.equal(img, torch.full((2, 3), i + 1.0)), (i, img))
+                    got.append(i)
+            self.assertEqual(got, list(range(N)))
 
-    def test_root_and_budget(self) -> None:
-        """`root` names the directory of the stores (as `path` does); the budget goes to the store."""
-        with self.assertRaisesRegex(ValueError, "not both"):
-            create_shared_cache(path=self.root, root=self.root)
-        with self.assertRaisesRegex(ValueError, "non-negative number of bytes"):
-            create_shared_cache(root=self.root, max_bytes=-1)
-        store = create_shared_cache(root=self.root, max_bytes=0)
-        self.addCleanup(store.close)
-        self.assertEqual(os.path.dirname(store.path), self.root)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.assertEqual(store.get_or_compute(0, "k", lambda: 5), 5)
-        self.assertEqual((store.stats()["filled"], store.stats()["refused"]), (0, 1))
+    @parameterized.expand(
+        [("zero_timeout", {"timeout": 0}), ("negative_timeout", {"timeout": -1.5}), ("reserve", {"reserve": -1})]
+        + [("max_bytes", {"max_bytes": -1}), ("float_max_bytes", {"max_bytes": 1.5})]
+    )
+    def test_bad_arguments(self, _, kwargs) -> None:
+        with self.assertRaisesRegex(ValueError, next(iter(kwargs))):
+            create_shared_cache(root=self.root, **kwargs)
+        self.assertEqual(os.listdir(self.root), [])
 
-    def test_not_initialized_is_a_local_store(self) -> None:
-        """Without a process group: a private store that the DataLoader workers of this process share."""
+    def test_unsupported_platform_raises_before_any_collective(self) -> None:
+        names = ("all_gather_object", "barrier", "monitored_barrier", "new_group", "broadcast_object_list")
+        fakes = {name: mock.Mock(side_effect=AssertionError(f"a collective call: {name}")) for name in names}
+        with mock.patch.object(SharedCacheStore, "supported", False), mock.patch.multiple(dist, **fakes):
+            with mock.patch.object(dist, "is_initialized", return_value=True):  # as in every rank of a job
+                with self.assertRaisesRegex(NotImplementedError, "fcntl.*runtime_cache='process'"):
+                    create_shared_cache(root=self.root, timeout=SHORT)
+        self.assertEqual({name: fake.call_count for name, fake in fakes.items()}, dict.fromkeys(names, 0))
+        self.assertEqual(os.listdir(self.root), [])
+
+    @needs_store
+    def test_root_reserve_and_max_bytes_reach_the_store(self) -> None:
+        cases = [
+            ({"reserve": 0}, None),
+            ({"reserve": 0, "max_bytes": 0}, "max_bytes=0"),
+            ({"reserve": 1 << 62}, "reserve"),
+        ]
+        for kwargs, refused_by in cases:
+            store = create_shared_cache(root=self.root, **kwargs)
+            self.addCleanup(store.close)
+            self.assertEqual(os.listdir(self.root), [os.path.basename(store.path)])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self.assertEqual(store.put("k", torch.ones(8)), refused_by is None, kwargs)
+                self.assertEqual(store.get_or_compute("c", lambda: 5), 5)  # computed, stored or not
+            self.assertEqual((store.get("k"), store.get("c")) == (None, None), refused_by is not None, kwargs)
+            messages = [str(w.message) for w in caught]
+            self.assertEqual(len(messages), 0 if refused_by is None else 1, messages)
+            self.assertTrue(all(refused_by in m and "--shm-size" in m for m in messages), messages)
+            store.close()
+
+    @needs_store
+    def test_without_a_process_group_a_local_store(self) -> None:
+        """Not initialized: a new store of this process in `root`, which its DataLoader workers share."""
         self.assertFalse(dist.is_initialized())
-        store = create_shared_cache(path=self.root)
+        store = create_shared_cache(root=self.root, timeout=SHORT)
         self.addCleanup(store.close)
         self.assertIsInstance(store, SharedCacheStore)
-        self.assertEqual(store_dirs(self.root), [os.path.basename(store.path)])
+        self.assertEqual(os.listdir(self.root), [os.path.basename(store.path)])
         self.assertEqual(stat.S_IMODE(os.stat(store.path).st_mode), 0o700)
-        log = os.path.join(self.tmp, "local.log")
-        seen = run_epochs(make_dataset(log, store), 0, 1, [0, 1], workers=2)
-        self.assertEqual(seen, set(range(N_ITEMS)))
-        self.assertEqual(executions(log), Counter(range(N_ITEMS)))  # each item computed once, in the workers
+        self.read_all(self.dataset(store))
+        self.assertEqual(computed(self.log), Counter(range(N)))  # each item once, by the workers
         store.close()
-        self.assertFalse(os.path.exists(store.path))
+        self.assertEqual(os.listdir(self.root), [])
 
-    @parameterized.expand([("local",), ("distributed",)])  # outermost: it makes the tests from what it decorates
-    @unittest.skipUnless(IS_LINUX, "fork and SIGKILL")
-    def test_leftover_of_killed_owner_is_removed(self, how: str) -> None:
-        """A process SIGKILLed after creating its store leaves it behind; the next creation in the root removes it."""
-        assert FORK is not None
-        recv, send = FORK.Pipe(duplex=False)
-        owner = FORK.Process(target=_create_and_hang, args=(self.root, send))
-        owner.start()
-        self.addCleanup(owner.kill)
-        self.assertTrue(recv.poll(WAIT), "the owner did not create its store")
-        leftover = recv.recv()
-        os.kill(owner.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        owner.join(WAIT)
-        self.assertEqual(owner.exitcode, -signal.SIGKILL)
-        self.assertTrue(os.path.isdir(leftover))
-        old = time.time() - 60  # leftovers are only removed once unmodified for a few seconds
-        os.utime(leftover, (old, old))
-        if how == "local":
-            store = create_shared_cache(path=self.root)
-            dirs = store_dirs(self.root)
+    @skip_if_quick
+    @needs_store
+    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
+    def test_two_ranks_share_one_store(self) -> None:
+        """2 ranks x 2 DataLoader workers read every item: one store for the node, each item computed once in it."""
+        rank = dist.get_rank()
+        store = create_shared_cache(root=self.root, timeout=TIMEOUT)
+        paths = gather(store.path)
+        self.assertEqual((paths[0], os.listdir(self.root)), (paths[1], [os.path.basename(store.path)]))
+        self.read_all(self.dataset(store), ranks=2)
+        dist.barrier()
+        self.assertEqual(computed(self.log), Counter(range(N)))
+        for closing in (0, 1):  # the store stays while a rank of the node uses it
+            dist.barrier()
+            if rank == closing:
+                store.close()
+            dist.barrier()
+            self.assertEqual(os.path.isdir(store.path), closing == 0, closing)
+        self.assertEqual(os.listdir(self.root), [])
+
+    @skip_if_quick
+    @needs_store
+    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
+    def test_a_rank_that_never_calls_makes_the_other_time_out(self) -> None:
+        done = os.path.join(self.tmp, "rank0-done")
+        if dist.get_rank() == 1:  # never calls create_shared_cache: waits, without a collective, for rank 0 to fail
+            deadline = time.monotonic() + TIMEOUT
+            while not os.path.exists(done):
+                self.assertLess(time.monotonic(), deadline, "rank 0 did not time out")
+                time.sleep(0.05)
+            return
+        try:
+            start = time.monotonic()
+            with self.assertRaisesRegex(RuntimeError, r"(?i)time[ds]? ?out"):  # as torch.distributed raises it
+                create_shared_cache(root=self.root, timeout=SHORT)
+            self.assertGreater(time.monotonic() - start, 0.9 * SHORT)
+            self.assertLess(time.monotonic() - start, 10 * SHORT)
+        finally:
+            open(done, "w").close()
+        self.assertEqual(os.listdir(self.root), [])  # no store without the node's identities
+
+    @skip_if_quick
+    @needs_store
+    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
+    def test_node_ids(self) -> None:
+        """Ranks of different node identities get different stores: `node_id`, else `MONAI_CACHE_NODE_ID`."""
+        rank = dist.get_rank()
+        own = create_shared_cache(root=self.root, node_id=f"node{rank}")
+        os.environ["MONAI_CACHE_NODE_ID"] = f"env{rank}"
+        by_env = create_shared_cache(root=self.root)
+        shared = create_shared_cache(root=self.root, node_id="one-node")  # node_id comes first
+        own_paths, env_paths, shared_paths = gather(own.path), gather(by_env.path), gather(shared.path)
+        self.assertEqual(len({*own_paths, *env_paths}), 4)
+        self.assertEqual(shared_paths[0], shared_paths[1])
+        self.assertEqual(len(os.listdir(self.root)), 5)
+        own.put("k", rank)
+        dist.barrier()
+        self.assertEqual(own.get("k"), rank)  # not the other rank's item
+        for store in (own, by_env, shared):
             store.close()
-        else:
-            recv, send = FORK.Pipe(duplex=False)
-            proc = FORK.Process(target=_create_in_world_of_one, args=(self.root, f"file://{self.tmp}/init", send))
-            proc.start()
-            self.addCleanup(proc.kill)
-            self.assertTrue(recv.poll(WAIT), "create_shared_cache did not return")
-            path, dirs = recv.recv()
-            proc.join(WAIT)
-            self.assertEqual(proc.exitcode, 0)
-            self.assertNotEqual(path, leftover)
-        self.assertFalse(os.path.exists(leftover))
-        self.assertEqual(len(dirs), 1)
-        self.assertEqual(store_dirs(self.root), [])
-
-
-@unittest.skipUnless(IS_LINUX, "fork DataLoader workers, /proc")
-class TestSpawn(SharedCacheTestCase):
-    def test_two_ranks_one_node(self) -> None:
-        """mp.spawn, 2 ranks: creation error, exactly-once with workers, no hidden collectives, removed dir, early exit."""
-        ctx = torch_mp.spawn(spawn_rank, args=(2, self.tmp, self.root), nprocs=2, join=False)
-        deadline = time.monotonic() + LAUNCH_TIMEOUT
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    self.fail(f"the ranks did not finish in {LAUNCH_TIMEOUT} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join(WAIT)
-        f0, f1 = read_facts(self.tmp, 0), read_facts(self.tmp, 1)
-        self.assertTrue(f0.get("done") and f1.get("done"), (f0, f1))
-        all_once = {str(i): 1 for i in range(N_ITEMS)}  # json keys are strings
-
-        # a creation error reaches every rank, naming the rank that failed
-        for f in (f0, f1):
-            self.assertIn("rank 0", f["error"])
-            self.assertIn("FileNotFoundError", f["error"])
-
-        # one store for the node, private, every item computed exactly once across ranks and workers
-        self.assertEqual(f0["main_paths"][0], f0["main_paths"][1])
-        self.assertEqual(f0["main_dirs"], [os.path.basename(f0["main_paths"][0])])
-        self.assertEqual(f1["main_dirs"], f0["main_dirs"])
-        self.assertEqual(f0["main_mode"], 0o700)
-        self.assertEqual(f0["main_executions"], all_once)
-        self.assertEqual(f0["main_filled"], N_ITEMS)
-        self.assertFalse(f0["main_exists_after_close"])
-
-        # no collective call in CacheDataset: rank 0 iterated alone while rank 1 waited in a barrier
-        self.assertEqual(f0["lonely_executions"], all_once)
-
-        # removed directory: right items (checked in the ranks), computed again, and a warning on both ranks
-        for f in (f0, f1):
-            self.assertTrue(any("gone" in w for w in f["removed_warnings"]), f["removed_warnings"])
-        self.assertEqual(set(f0["removed_executions"]), set(all_once))
-        # once each in epoch 0, then without the cache (the store is never made again): every access computes
-        self.assertEqual(sum(f0["removed_executions"].values()), 3 * N_ITEMS)
-
-        # early exit of rank 0: rank 1 still hits the cache; the directory goes with the last participant
-        self.assertEqual(f1["early_markers_after_rank0"], 1)
-        self.assertEqual(f1["early_executions_before"], all_once)
-        self.assertEqual(f1["early_executions_after"], all_once)  # cache hits only after rank 0 left
-        self.assertTrue(f1["early_exists_before_close"])
-        self.assertFalse(f1["early_exists_after_close"])
-        self.assertEqual(store_dirs(self.root), [])
-
-
-@slow
-@unittest.skipUnless(IS_LINUX, "fork DataLoader workers, /proc")
-@unittest.skipIf(QUICKTEST, "starts 4 interpreters that import MONAI (~20 s on 2 idle cores)")
-class TestTorchrunStyle(SharedCacheTestCase):
-    def test_two_nodes_of_two_ranks(self) -> None:
-        """4 interpreters (distinct authkeys), env://, 2 nodes via MONAI_CACHE_NODE_ID; then a timeout."""
-        world, port = 4, free_port()
-        procs = []
-        for rank in range(world):
-            env = dict(os.environ)
-            env.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank % 2),
-                WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                **{NODE_ID_ENV: f"node{rank // 2}"},
-            )
-            out = open(os.path.join(self.tmp, f"rank{rank}.out"), "wb")
-            self.addCleanup(out.close)
-            cmd = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, self.tmp, self.root]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + LAUNCH_TIMEOUT
-        try:
-            for p in procs:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            self.fail(f"the ranks did not finish in {LAUNCH_TIMEOUT} s:\n{self._outputs(world)}")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(WAIT)
-        self.assertEqual([p.returncode for p in procs], [0] * world, self._outputs(world))
-        facts = [read_facts(self.tmp, r) for r in range(world)]
-        f0 = facts[0]
-
-        # separate interpreters: distinct multiprocessing authkeys, nothing relies on them
-        self.assertEqual(len(set(f0["authkeys"])), world)
-        # one store per node, different between nodes
-        paths = f0["paths"]
-        self.assertEqual(paths[0], paths[1])
-        self.assertEqual(paths[2], paths[3])
-        self.assertNotEqual(paths[0], paths[2])
-        # each node computed exactly the items its ranks used, each once: nothing was shared across nodes
-        self.assertEqual(set().union(*f0["seen"]), set(range(N_ITEMS)))  # the ranks used every item between them
-        for node, ranks in (("node0", (0, 1)), ("node1", (2, 3))):
-            used = set(f0["seen"][ranks[0]]) | set(f0["seen"][ranks[1]])
-            self.assertEqual(f0["executions"][node], {str(i): 1 for i in sorted(used)}, node)
-        # every store was removed when its node's ranks closed it
-        self.assertEqual(store_dirs(self.root), [])
-        # the ranks that called create_shared_cache(timeout=TIMEOUT) without the last rank failed with the timeout
-        # of the collective (raised as torch.distributed raises it: a RuntimeError such as DistStoreError whose
-        # message says it timed out), after waiting about `timeout` seconds, not for any other reason
-        self.assertNotIn("timeout", facts[-1])  # the last rank never called it
-        for rank, f in enumerate(facts[:-1]):
-            outcome = f["timeout"]
-            self.assertIsNotNone(outcome["raised"], f"rank {rank} got a store without the last rank")
-            self.assertTrue(outcome["is_runtime_error"], f"rank {rank}: {outcome}")
-            self.assertRegex(outcome["message"], r"(?i)time[ds]? ?out", f"rank {rank}: {outcome}")
-            self.assertGreaterEqual(outcome["seconds"], 0.9 * TIMEOUT, f"rank {rank} did not wait for the timeout")
-            self.assertLess(outcome["seconds"], 10 * TIMEOUT, f"rank {rank} waited far longer than the timeout")
-
-    def _outputs(self, world: int) -> str:
-        text = []
-        for rank in range(world):
-            try:
-                with open(os.path.join(self.tmp, f"rank{rank}.out"), errors="replace") as f:
-                    text.append(f"--- rank {rank}\n" + f.read()[-3000:])
-            except OSError:
-                pass
-        return "\n".join(text)
+        dist.barrier()
+        self.assertEqual(os.listdir(self.root), [])
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == WORKER_FLAG:
-        torchrun_style_rank(sys.argv[2], sys.argv[3])
-    else:
-        unittest.main()
+    unittest.main()

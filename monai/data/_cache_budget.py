@@ -47,7 +47,7 @@ def _env_bytes(name: str) -> int | None:
     value = os.environ.get(name, "").strip()
     if not value:
         return None
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):  # int() would take other digits, such as superscripts
         raise ValueError(f"{name}={value!r} must be a non-negative number of bytes.")
     return int(value)
 

@@ -152,7 +152,8 @@ def read_file(path: str) -> tuple[memoryview, int]:
         st = os.fstat(fd)
         if st.st_size < _SMALL_FILE:  # read into an aligned buffer
             arr = np.empty(st.st_size + _ALIGN, dtype=np.uint8)
-            view, got = memoryview(cast(Any, arr[-arr.ctypes.data % _ALIGN :][: st.st_size])), 0
+            start = -arr.__array_interface__["data"][0] % _ALIGN
+            view, got = memoryview(cast(Any, arr[start : start + st.st_size])), 0
             while got < st.st_size and (n := os.readv(fd, [view[got:]])):
                 got += n
             return view[:got], st.st_ino

@@ -173,3 +173,21 @@ def private_mount_namespace() -> str | None:
     cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"]
     probe = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     return None if probe.returncode == 0 else f"cannot mount a tmpfs in a private namespace: {probe.stderr.strip()}"
+
+
+QUICK = os.environ.get("QUICKTEST", "").strip().lower() in ("1", "true", "yes", "on")
+skip_if_quick = unittest.skipIf(QUICK, "a slow test: QUICKTEST is set")
+
+
+def item_files(path: str) -> list[str]:
+    """The names of the item files of the store ``path``."""
+    return sorted(n for n in os.listdir(path) if n.endswith(".item"))
+
+
+def end(proc: Any) -> None:
+    """SIGKILL the multiprocessing ``proc`` if it is still alive, and reap it."""
+    if proc.pid is None:  # never started
+        return
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.join(TIMEOUT)

@@ -1,0 +1,719 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+The extended tests of PR 02's ``SharedCacheStore`` core, which do not fit the exported ``tests/test_cache_store.py``:
+every dtype and container of the round trip, the zero-copy mappings, the lifetime across processes and interpreters,
+20,000 items with few descriptors, and the store as the runtime cache of datasets, DataLoader workers and gloo ranks.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import hashlib
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import unittest
+import warnings
+from collections import Counter
+from typing import Any, Callable
+from unittest import mock
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from fork_utils import (
+    ENV,
+    FORK,
+    TIMEOUT,
+    end,
+    item_files,
+    participated,
+    recv,
+    run_forked,
+    run_ranks,
+    skip_if_quick,
+    skip_unless_fork,
+    skip_unless_linux,
+    skip_unless_store,
+)
+from parameterized import parameterized
+
+from monai.data import CacheDataset, DataLoader, MetaTensor, SharedCacheStore
+from monai.data import _cache_format as fmt
+from monai.data.utils import pickle_hashing
+from monai.transforms import Compose, RandomizableTransform, Transform
+
+# -- items ------------------------------------------------------------------------------------------------------------
+
+
+def _assert_same(tc: unittest.TestCase, a: Any, b: Any, where: str = "item") -> None:
+    """
+    Recursive equality of ``a``, what was stored, and ``b``, what came back, that also checks the types, dtypes, shapes
+    and MetaTensor metadata, and that no tensor of ``b`` requires grad (the store keeps tensors detached).
+    """
+    tc.assertIs(type(a), type(b), where)
+    if isinstance(a, torch.Tensor):
+        tc.assertFalse(b.requires_grad, f"{where}: a tensor out of the store must be detached")
+        tc.assertIsNone(b.grad_fn, where)
+        tc.assertEqual((a.dtype, a.shape, a.device), (b.dtype, b.shape, b.device), where)
+        x, y = torch.Tensor.as_subclass(a, torch.Tensor), torch.Tensor.as_subclass(b, torch.Tensor)
+        if "float8" in str(a.dtype):  # no comparison kernels: compare the bytes
+            x, y = x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)
+        tc.assertTrue(torch.equal(x.detach().resolve_conj(), y.resolve_conj()), where)
+        if isinstance(a, MetaTensor):
+            _assert_same(tc, a.meta, b.meta, where + ".meta")
+            _assert_same(tc, a.applied_operations, b.applied_operations, where + ".applied_operations")
+            tc.assertEqual(a.is_batch, b.is_batch, where + ".is_batch")
+    elif isinstance(a, np.ndarray):
+        tc.assertEqual((a.dtype, a.shape), (b.dtype, b.shape), where)
+        if a.dtype.hasobject:
+            tc.assertEqual(a.tolist(), b.tolist(), where)
+        else:
+            tc.assertEqual(a.tobytes(), b.tobytes(), where)
+    elif isinstance(a, dict):
+        tc.assertEqual(list(a.keys()), list(b.keys()), where)
+        for k in a:
+            _assert_same(tc, a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        tc.assertEqual(len(a), len(b), where)
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(tc, x, y, f"{where}[{i}]")
+    else:
+        tc.assertEqual(a, b, where)
+
+
+def _meta_tensor(is_batch: bool = False) -> MetaTensor:
+    affine = torch.diag(torch.tensor([1.5, 2.0, 2.5, 1.0], dtype=torch.float64))
+    mt = MetaTensor(torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4), affine=affine)
+    mt.meta["filename_or_obj"] = "case_001.nii.gz"
+    mt.meta["spatial_shape"] = np.array([3, 4])
+    mt.push_applied_operation({"class": "Flip", "id": 1234, "orig_size": (3, 4), "extra_info": {"axes": [0]}})
+    mt.push_applied_operation({"class": "Zoom", "id": 99, "extra_info": {"affine": torch.eye(3), "scale": 2.0}})
+    mt.is_batch = is_batch
+    return mt
+
+
+def _dtypes() -> list[torch.dtype]:
+    names = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+    names += ["complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"]
+    return [getattr(torch, n) for n in names if hasattr(torch, n)]
+
+
+def _tensor_of(dtype: torch.dtype) -> torch.Tensor:
+    base = torch.arange(-6, 6, dtype=torch.float32).reshape(3, 4) / 2
+    if dtype == torch.bool:
+        return base > 0
+    if dtype.is_complex:
+        return base.to(dtype) * (1 + 1j)
+    if not dtype.is_floating_point:
+        return base.abs().to(torch.int64).to(dtype)
+    return base.to(dtype)
+
+
+TORCH_CASES = [(f"tensor_{str(dt).split('.')[-1]}", lambda dt=dt: _tensor_of(dt)) for dt in _dtypes()]
+
+NUMPY_CASES = [
+    (f"ndarray_{dt.replace('>', 'be_')}", lambda dt=dt: (np.arange(24).reshape(2, 3, 4) % 7).astype(dt))
+    for dt in ["uint8", "int16", "int64", "float16", "float32", "float64", "complex64", "bool", ">f4"]
+]
+
+ROUND_TRIP_CASES = [
+    ("dict_of_metatensor", lambda: {"image": _meta_tensor(), "label": _meta_tensor() > 5, "name": "case_001"}),
+    ("metatensor_batch", lambda: _meta_tensor(is_batch=True)),
+    ("list_of_tensors", lambda: [torch.ones(2, 2), torch.zeros(3, dtype=torch.int64), torch.tensor(7.5)]),
+    ("tuple_of_tensors", lambda: (torch.linspace(0, 1, 4), torch.arange(3).to(torch.int16))),
+    ("tensor_transposed", lambda: torch.arange(12.0).reshape(3, 4).T),
+    ("tensor_strided", lambda: torch.arange(40).reshape(4, 10)[:, ::3]),
+    ("tensor_offset_view", lambda: torch.arange(100.0)[37:41]),
+    ("tensor_0d", lambda: torch.tensor(3.25)),
+    ("tensor_empty", lambda: torch.zeros(0, 3, dtype=torch.float16)),
+    # a leaf that requires grad, a non-leaf with a grad_fn, and a MetaTensor leaf: values kept, requires_grad not
+    (
+        "tensor_requires_grad",
+        lambda: {
+            "leaf": torch.linspace(-1, 1, 5, requires_grad=True),
+            "non_leaf": torch.arange(4.0, requires_grad=True) * 2,
+            "meta_leaf": _meta_tensor().requires_grad_(True),
+        },
+    ),
+    ("tensor_conj", lambda: (torch.arange(4.0) * 1j).conj()),
+    ("tensor_large", lambda: torch.arange(50_000, dtype=torch.float32).reshape(50, 1000)),
+    ("ndarray_non_contiguous", lambda: np.arange(60.0).reshape(6, 10)[::2, 1::3]),
+    ("ndarray_fortran", lambda: np.asfortranarray(np.arange(12, dtype=np.int32).reshape(3, 4))),
+    ("ndarray_0d", lambda: np.array(2.5)),
+    ("ndarray_empty", lambda: np.zeros((0, 4), dtype=np.uint16)),
+    ("ndarray_datetime", lambda: np.array(["2020-01-01", "2024-02-29"], dtype="datetime64[D]")),
+    ("ndarray_structured", lambda: np.array([(1, 2.0), (3, 4.0)], dtype=[("a", "<i4"), ("b", "<f8")])),
+    ("ndarray_object", lambda: np.array([{"a": 1}, "x", None], dtype=object)),
+    ("ndarray_large", lambda: np.arange(40_000, dtype=np.float64).reshape(200, 200)),
+    ("scalars", lambda: [1, -(2**70), 2.5, 1 + 2j, True, False, np.float32(1.5), np.int64(3)]),
+    ("strings", lambda: {"s": "text ünïcödé", "b": b"\x00bytes", "e": ""}),
+    ("none", lambda: None),
+    ("int", lambda: 42),
+    (
+        "nested",
+        lambda: {
+            "a": [{"t": torch.ones(2, 3)}, (np.ones(3), [None, "x", {"deep": torch.arange(3)}])],
+            "meta": {"affine": torch.eye(4, dtype=torch.float64), "shape": (1, 2, 3)},
+            "mt": [_meta_tensor()],
+        },
+    ),
+]
+
+
+class StoreCase(unittest.TestCase):
+    """A private temporary root for the stores of a test, removed afterwards with everything in it."""
+
+    root_parent: str | None = None
+
+    def setUp(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="test-store-extended-", dir=self.root_parent)
+        self.addCleanup(shutil.rmtree, self.root, True)
+
+    def new_store(self, path: str | None = None) -> SharedCacheStore:
+        store = SharedCacheStore(path) if path else SharedCacheStore(root=self.root)
+        self.addCleanup(store.close)
+        return store
+
+
+def _mapped_files(address: int) -> list[str]:
+    """The files mapped at ``address`` in this process, from /proc/self/maps."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi and len(fields) >= 6:
+                found.append(fields[5])
+    return found
+
+
+@skip_unless_store
+class TestRoundTrip(StoreCase):
+    @parameterized.expand(ROUND_TRIP_CASES + TORCH_CASES + NUMPY_CASES)
+    def test_round_trip(self, _: str, make: Callable[[], Any]) -> None:
+        store = self.new_store()
+        self.assertTrue(store.put("key", make()))
+        out = store.get("key")
+        _assert_same(self, make(), out)
+        if isinstance(out, (torch.Tensor, np.ndarray, list, dict)):
+            self.assertIsNot(store.get("key"), out)  # a fresh object graph every time
+
+    def test_metatensor_details(self) -> None:
+        store = self.new_store()
+        mt = _meta_tensor()
+        store.put("k", {"img": mt})
+        out = store.get("k")["img"]
+        self.assertIsInstance(out, MetaTensor)
+        self.assertIs(type(out.affine), torch.Tensor)
+        self.assertEqual(out.affine.dtype, torch.float64)
+        self.assertTrue(torch.equal(out.affine, mt.affine))
+        self.assertEqual(out.applied_operations[0]["extra_info"], {"axes": [0]})
+        self.assertEqual(set(out.__dict__), set(mt.__dict__))
+        out.meta["new"] = 1  # private metadata
+        self.assertNotIn("new", store.get("k")["img"].meta)
+
+    def test_requires_grad_is_detached(self) -> None:
+        store = self.new_store()
+        leaf = torch.ones(3, requires_grad=True)
+        store.put("k", {"non_leaf": leaf * 2, "leaf": leaf})
+        out = store.get("k")
+        for name, value in (("non_leaf", [2.0] * 3), ("leaf", [1.0] * 3)):
+            self.assertFalse(out[name].requires_grad, name)
+            self.assertIsNone(out[name].grad_fn, name)
+            self.assertEqual(out[name].tolist(), value)
+
+    def test_same_object_twice_stays_shared(self) -> None:
+        store = self.new_store()
+        t = torch.arange(3)
+        store.put("k", [t, t, {"again": t}])
+        a, b, c = store.get("k")
+        self.assertIs(a, b)
+        self.assertIs(a, c["again"])
+
+    @parameterized.expand(
+        [("safe", "0123abcdEF_-x", "0123abcdEF_-x"), ("unsafe", "a/b c.nii", None), ("long", "k" * 129, None)]
+    )
+    def test_key_file_names(self, _: str, key: str, stem: str | None) -> None:
+        store = self.new_store()
+        store.put(key, [key])
+        stem = stem or hashlib.sha256(key.encode()).hexdigest()
+        self.assertEqual(item_files(store.path), [stem + ".item"])
+        self.assertEqual(store.get(key), [key])
+        self.assertIsNone(store.get(key + "x"))
+
+    def test_unpicklable_item_raises_what_pickling_raises(self) -> None:
+        store = self.new_store()
+        item = {"f": lambda x: x}
+        with self.assertRaises(Exception) as pickling:
+            pickle.dumps(item, protocol=5)
+        with self.assertRaises(type(pickling.exception)):  # what pickling raises, not some other error
+            store.put("k", item)
+        self.assertEqual((item_files(store.path), os.listdir(os.path.join(store.path, ".tmp"))), ([], []))
+
+    def test_discard_removes_those_items_only(self) -> None:
+        store = self.new_store()
+        for key in ("k0", "k1", "k2"):
+            store.put(key, key)
+        store.discard(["k0", "missing"])  # other datasets may keep items here; a missing key is no error
+        self.assertEqual(item_files(store.path), ["k1.item", "k2.item"])
+        self.assertEqual([store.get(k) for k in ("k0", "k1", "k2")], [None, "k1", "k2"])
+
+    @parameterized.expand(
+        [
+            ("empty", lambda data: b""),
+            ("bad_magic", lambda data: b"X" + data[1:]),
+            ("bad_pickle", lambda data: data[:-40] + b"\x00" * 40),
+        ]
+    )
+    def test_malformed_file_is_removed_when_read(self, _: str, damage: Callable[[bytes], bytes]) -> None:
+        store = self.new_store()
+        store.put("k", {"x": "y" * 100})
+        path = os.path.join(store.path, "k.item")
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(damage(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a damaged file is a miss, not a fault
+            self.assertEqual(store.get("k", "miss"), "miss")
+        self.assertFalse(os.path.exists(path))
+
+    def test_unreadable_item_is_a_miss(self) -> None:
+        store = self.new_store()
+        store.put("k", 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with mock.patch.object(os, "open", side_effect=PermissionError(errno.EACCES, "Permission denied")):
+                self.assertEqual((store.get("k", "miss"), store.get("k", "miss")), ("miss", "miss"))
+        self.assertEqual([str(w.message).count("Permission denied") for w in caught], [1])  # one warning
+        self.assertEqual(store.get("k"), 1)  # kept, and read again once readable
+
+    @parameterized.expand([("group_rwx", 0o770), ("world_writable", 0o777)])
+    def test_refuses_shared_mode(self, _: str, mode: int) -> None:
+        path = os.path.join(self.root, "d")
+        os.mkdir(path)
+        os.chmod(path, mode)
+        with self.assertRaisesRegex(PermissionError, "mode.*unpickled"):
+            SharedCacheStore(path)
+
+    def test_default_root(self) -> None:
+        with mock.patch.dict(os.environ):
+            os.environ.pop("MONAI_CACHE_ROOT", None)
+            store = SharedCacheStore()
+        try:
+            if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
+                self.assertEqual(os.path.dirname(store.path), "/dev/shm")
+            else:
+                self.assertEqual(os.path.dirname(store.path), tempfile.gettempdir())
+            self.assertTrue(store.put("k", torch.ones(2)))
+            self.assertTrue(torch.equal(store.get("k"), torch.ones(2)))
+        finally:
+            store.close()
+        self.assertFalse(os.path.exists(store.path))
+
+
+@skip_unless_store
+class TestZeroCopy(StoreCase):
+    def test_small_items_are_private(self) -> None:
+        store = self.new_store()
+        store.put("k", {"t": torch.zeros(4), "a": np.zeros(4)})
+        first, second = store.get("k"), store.get("k")
+        first["t"][0], first["a"][0] = 5, 5
+        self.assertEqual(second["t"].tolist(), [0.0] * 4)
+        self.assertEqual(store.get("k")["a"].tolist(), [0.0] * 4)
+
+    @skip_unless_linux
+    def test_large_items_are_views_of_a_private_mapping(self) -> None:
+        store = self.new_store()
+        store.put("k", {"t": torch.arange(100_000, dtype=torch.float32), "a": np.arange(50_000.0)})
+        path = os.path.join(store.path, "k.item")
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        first, second = store.get("k"), store.get("k")
+        # the data lives in a mapping of the item file, not in a copy
+        self.assertEqual(_mapped_files(first["t"].data_ptr()), [path])
+        self.assertEqual(_mapped_files(first["a"].ctypes.data), [path])
+        self.assertNotEqual(first["t"].data_ptr(), second["t"].data_ptr())
+        self.assertTrue(first["a"].flags.writeable and first["a"].flags.aligned)
+        self.assertEqual(first["t"].data_ptr() % 64, 0)
+        first["t"] += 1  # copy-on-write: private to this reader
+        first["a"][:] = -1
+        self.assertEqual(second["t"][:3].tolist(), [0.0, 1.0, 2.0])
+        self.assertEqual(second["a"][:3].tolist(), [0.0, 1.0, 2.0])
+        with open(path, "rb") as f:
+            self.assertEqual(hashlib.sha256(f.read()).hexdigest(), digest)
+        third = store.get("k")
+        self.assertTrue(torch.equal(third["t"], torch.arange(100_000, dtype=torch.float32)))
+
+    @skip_unless_linux
+    def test_mapping_outlives_item_and_file(self) -> None:
+        store = self.new_store()
+        store.put("k", torch.arange(100_000))
+        t = store.get("k")
+        path = os.path.join(store.path, "k.item")
+        self.assertEqual(_mapped_files(t.data_ptr()), [path])
+        store.discard(["k"])  # the file is gone; the private mapping stays valid
+        gc.collect()
+        self.assertFalse(os.path.exists(path))
+        self.assertEqual((int(t[-1]), int(t.sum())), (99_999, 99_999 * 100_000 // 2))
+        address = t.data_ptr()
+        del t
+        gc.collect()
+        self.assertEqual(_mapped_files(address), [])  # unmapped with its last view
+        self.assertIsNone(store.get("k"))
+
+
+# -- lifetime ---------------------------------------------------------------------------------------------------------
+
+
+def _child_attach_and_wait(path: str, conn: Any, event: Any) -> None:
+    store = SharedCacheStore(path)
+    conn.send("attached")  # a pipe, not a queue: a queue's lock may die with a killed child
+    if event is None:
+        event = threading.Event()  # never set: to be killed
+    if event.wait(TIMEOUT):
+        store.close()
+
+
+def _child_many_items(path: str, n: int, n_mapped: int) -> None:
+    import resource
+
+    torch.set_num_threads(1)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    store = pickle.loads(pickle.dumps(SharedCacheStore(path)))  # as a DataLoader worker has it
+    for i in range(n):
+        if not store.put(f"key{i}", {"i": i, "t": torch.tensor([i, i + 1])}):
+            raise AssertionError(f"put {i} failed")
+    items = [store.get(f"key{i}") for i in range(n)]  # all alive at once
+    if any(item is None or item["i"] != i or item["t"].tolist() != [i, i + 1] for i, item in enumerate(items)):
+        raise AssertionError("wrong items")
+    fmt._SMALL_FILE = 0  # map every file: the mappings must not hold a descriptor each
+    mapped = [store.get(f"key{i}") for i in range(n_mapped)]
+    if any(item is None or item["t"].tolist() != [i, i + 1] for i, item in enumerate(mapped)):
+        raise AssertionError("wrong mapped items")
+    n_fds = len(os.listdir("/proc/self/fd"))
+    if n_fds > 100:
+        raise AssertionError(f"{n_fds} open descriptors for {n_mapped} mapped items")
+
+
+_OTHER_INTERPRETER = """
+import pickle, sys
+import torch
+from monai.data import SharedCacheStore
+
+shared = pickle.loads(sys.stdin.buffer.read())  # as a DataLoader worker under spawn
+item = shared.get("k")
+shared.put("from_child", torch.arange(3))
+shared.close()
+own = SharedCacheStore(root=sys.argv[1])
+own.put("x", torch.ones(2))
+print(float(item["img"].sum()), item["img"].affine[0, 0].item(), own.path, flush=True)
+"""
+
+
+@skip_unless_store
+class TestLifetime(StoreCase):
+    def test_non_participant_neither_keeps_nor_removes(self) -> None:
+        first = self.new_store()
+        second = self.new_store(first.path)
+        copy = pickle.loads(pickle.dumps(first))  # what a DataLoader worker gets
+        copy.close()
+        del copy
+        gc.collect()
+        self.assertTrue(os.path.isdir(first.path))  # a copy does not remove
+        first.close()
+        self.assertTrue(os.path.isdir(first.path))  # the second participant keeps it
+        copy = pickle.loads(pickle.dumps(second))
+        self.assertTrue(copy.put("k", 1))
+        second.close()  # the last participant: the live copy does not keep it
+        self.assertFalse(os.path.exists(first.path))
+        self.assertIsNone(copy.get("k"))
+
+    @skip_unless_fork
+    def test_forked_child_does_not_keep_store(self) -> None:
+        store = self.new_store()
+        event = FORK.Event()  # type: ignore[union-attr]
+        proc = FORK.Process(target=event.wait, args=(TIMEOUT,))  # type: ignore[union-attr]
+        proc.start()  # inherits the store, and the descriptor of its lock
+        self.addCleanup(end, proc)
+        store.close()
+        self.assertFalse(os.path.exists(store.path))  # the child, still alive, does not participate
+        event.set()
+        proc.join(TIMEOUT)
+        self.assertEqual(proc.exitcode, 0)
+
+    def test_live_participant_in_other_process_keeps_store(self) -> None:
+        store = self.new_store()
+        ctx = multiprocessing.get_context()  # the default start method: fork, or spawn in the spawn mode
+        (receiver, sender), event = ctx.Pipe(duplex=False), ctx.Event()
+        proc = ctx.Process(target=_child_attach_and_wait, args=(store.path, sender, event))
+        proc.start()
+        self.addCleanup(end, proc)
+        self.assertEqual(recv(receiver), "attached")
+        store.close()
+        self.assertTrue(os.path.isdir(store.path))  # the child still participates
+        self.assertTrue(participated(store.path))
+        event.set()
+        proc.join(TIMEOUT)
+        self.assertEqual(proc.exitcode, 0)
+        self.assertFalse(os.path.exists(store.path))  # the last participant removed it
+
+    def test_killed_participant_does_not_keep_store(self) -> None:
+        store = self.new_store()
+        ctx = multiprocessing.get_context()
+        receiver, sender = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child_attach_and_wait, args=(store.path, sender, None))
+        proc.start()
+        self.addCleanup(end, proc)
+        self.assertEqual(recv(receiver), "attached")
+        os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        proc.join(TIMEOUT)
+        self.assertEqual(proc.exitcode, -signal.SIGKILL)
+        self.assertTrue(participated(store.path))  # this process
+        store.close()
+        self.assertFalse(os.path.exists(store.path))
+
+    @skip_if_quick
+    def test_other_interpreter_unpickles_and_exits_cleanly(self) -> None:
+        store = self.new_store()
+        store.put("k", {"img": _meta_tensor()})
+        out = subprocess.run(
+            [sys.executable, "-c", _OTHER_INTERPRETER, self.root],
+            input=pickle.dumps(store),
+            capture_output=True,
+            timeout=TIMEOUT,
+            env=ENV,
+        )
+        self.assertEqual(out.returncode, 0, out.stderr.decode()[-3000:])
+        self.assertNotIn(b"Warning", out.stderr)  # and no warning at exit
+        total, affine00, own_path = out.stdout.decode().split()
+        self.assertEqual((float(total), float(affine00)), (float(_meta_tensor().sum()), 1.5))
+        self.assertTrue(os.path.isdir(store.path))  # the non-participant left it alone
+        self.assertTrue(torch.equal(store.get("from_child"), torch.arange(3)))
+        self.assertTrue(own_path.startswith(self.root))
+        self.assertFalse(os.path.exists(own_path))  # its own store went away at exit
+
+
+@skip_unless_store
+@skip_unless_fork
+@skip_unless_linux
+class TestManyItems(StoreCase):
+    # file creation on a disk file system can take a millisecond: use a root in shared memory when there is one
+    root_parent = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK) else None
+
+    @skip_if_quick
+    def test_many_items_with_few_descriptors(self) -> None:
+        store = self.new_store()
+        self.assertEqual(run_forked(_child_many_items, store.path, 20_000, 2_000, timeout=600), 0)
+        self.assertEqual(len(item_files(store.path)), 20_000)
+
+
+# -- the store as the runtime cache of datasets -----------------------------------------------------------------------
+
+DATA = list(range(10))
+
+
+class Load(Transform):
+    """A deterministic transform that records each execution as a line in ``log`` (if given)."""
+
+    def __init__(self, log: str | None = None) -> None:
+        self.log = log
+
+    def __call__(self, x):
+        src = x["id"] if isinstance(x, dict) else x
+        if self.log:
+            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, f"{src}\n".encode())
+            finally:
+                os.close(fd)
+        return {"src": src, "img": torch.full((3, 4), float(src))}
+
+
+class CountedLoad(Load):
+    """``Load`` holding members that pickle cannot store: a lock and a ``multiprocessing.Value``."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__(log)
+        self.lock = threading.Lock()
+        self.calls = multiprocessing.Value("i", 0)
+
+    def __call__(self, x):
+        with self.lock, self.calls.get_lock():
+            self.calls.value += 1
+        return super().__call__(x)
+
+
+class RandAdd(RandomizableTransform):
+    """A random transform that adds 1 in place: an item shared with the cache would come back with 2, then 3."""
+
+    def __call__(self, d):
+        d["img"] += 1.0
+        return d
+
+
+class Scale(Transform):
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def __call__(self, d):
+        return {**d, "img": d["img"] * self.factor}
+
+
+class Tag(Transform):
+    """Tells whether it was given a whole list or one element of it."""
+
+    def __call__(self, x):
+        return {"tag": ("whole", x) if isinstance(x, list) else ("item", x), "img": torch.zeros(1)}
+
+
+def _key_train(item) -> bytes:
+    return pickle_hashing(("train", item))
+
+
+def _key_val(item) -> bytes:
+    return pickle_hashing(("val", item))
+
+
+def executions(log: str) -> Counter:
+    if not os.path.exists(log):
+        return Counter()
+    with open(log) as f:
+        return Counter(int(line) for line in f.read().split())
+
+
+def _unpicklable_rank(rank: int, world: int, init: str, path: str, log: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        store = SharedCacheStore(path)  # the parent's store, joined by path in each rank (one node)
+        data = list(range(24))
+        ds = CacheDataset(data, Compose([CountedLoad(log), RandAdd()]), runtime_cache=store, progress=False)
+        sampler = torch.utils.data.distributed.DistributedSampler(ds, shuffle=True, seed=3)
+        # fork workers: a multiprocessing.Value is passed to a process by inheritance only
+        loader = DataLoader(
+            ds, batch_size=2, sampler=sampler, num_workers=2, timeout=TIMEOUT, multiprocessing_context="fork"
+        )
+        seen = []
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            for batch in loader:
+                for s, img in zip(batch["src"], batch["img"]):
+                    assert torch.equal(img, torch.full((3, 4), float(s) + 1)), (rank, int(s))
+                    seen.append(int(s))
+            dist.barrier()
+        with open(os.path.join(out_dir, f"seen-rank{rank}"), "w") as f:
+            f.write(" ".join(map(str, seen)))
+        store.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@skip_unless_store
+class TestDatasets(StoreCase):
+    def check_item(self, item: dict, src: int, added: float = 1.0) -> None:
+        self.assertEqual(item["src"], src)
+        self.assertTrue(torch.equal(torch.as_tensor(item["img"]), torch.full((3, 4), src + added)), item)
+
+    def test_two_datasets_share_a_store(self) -> None:
+        store = self.new_store()
+        log = os.path.join(self.root, "log")
+        a = CacheDataset(DATA, Compose([Load(log), RandAdd()]), runtime_cache=store, progress=False)
+        b = CacheDataset([20 + i for i in DATA], Compose([Load(log), RandAdd()]), runtime_cache=store, progress=False)
+        for _ in range(3):
+            for i in range(10):
+                self.check_item(a[i], DATA[i])
+                self.check_item(b[i], 20 + i)
+        self.assertEqual(executions(log), Counter(dict.fromkeys(DATA + [20 + i for i in DATA], 1)))
+        self.assertEqual(len(item_files(store.path)), 20)
+
+    def test_same_data_other_transforms_share_a_store(self) -> None:
+        """A training and a validation dataset over the same inputs, one store: each gets its own transforms' items."""
+        store = self.new_store()
+        train = CacheDataset(DATA, Compose([Load(), RandAdd()]), runtime_cache=store, progress=False)
+        val = CacheDataset(DATA, Compose([Load(), Scale(10.0), RandAdd()]), runtime_cache=store, progress=False)
+        for _ in range(2):
+            for i in range(10):
+                self.check_item(train[i], DATA[i])
+                self.assertTrue(torch.equal(val[i]["img"], torch.full((3, 4), 10.0 * DATA[i] + 1)), i)
+        self.assertEqual(len(item_files(store.path)), 20)
+
+    @parameterized.expand([(m, r) for m in ("process", "store") for r in (0.5, 1.0)])
+    def test_sequence_indexing(self, mode: str, rate: float) -> None:
+        cache = self.new_store() if mode == "store" else mode
+        ds = CacheDataset(DATA, Compose([Load(), RandAdd()]), cache_rate=rate, runtime_cache=cache, progress=False)
+        store = ds._runtime.store
+        self.assertIsInstance(store, SharedCacheStore)
+        if mode == "process":
+            self.addCleanup(store.close)
+        for _ in range(2):  # the second time from the store
+            for i in range(-len(DATA), len(DATA)):
+                self.check_item(ds[i], DATA[i])
+        for i in (len(DATA), -len(DATA) - 1):
+            with self.assertRaises(IndexError):
+                ds[i]
+        self.assertEqual([d["src"] for d in ds], DATA)
+        self.assertEqual([d["src"] for d in ds[1:8:3]], [1, 4, 7])
+        self.assertEqual([d["src"] for d in ds[[9, -10]]], [9, 0])
+        self.assertEqual(len(ds), len(DATA))
+        self.assertEqual([d["src"] for d in ds._cache], DATA[: ds.cache_num])
+        self.assertEqual(len(item_files(store.path)), ds.cache_num)
+
+    def test_compose_options_are_part_of_the_key(self) -> None:
+        """Two datasets that differ only in Compose(map_items=...) share a store and never read each other's items."""
+        store = self.new_store()
+        data = [[1, 2], [3, 4]]
+        whole = CacheDataset(data, Compose([Tag(), RandAdd()], map_items=False), runtime_cache=store, progress=False)
+        each = CacheDataset(data, Compose([Tag(), RandAdd()], map_items=True), runtime_cache=store, progress=False)
+        for _ in range(2):
+            for i, d in enumerate(data):
+                self.assertEqual(whole[i]["tag"], ("whole", d))
+                self.assertEqual([x["tag"] for x in each[i]], [("item", v) for v in d])
+        self.assertEqual(len(item_files(store.path)), 4)
+
+    def test_namespace_by_hash_func(self) -> None:
+        """Pipelines that the hash cannot tell apart get separate items with a namespaced hash_func (the guide's)."""
+        store = self.new_store()
+        log = os.path.join(self.root, "log")
+        for hash_func in (_key_train, _key_val, _key_val):
+            ds = CacheDataset(DATA, Compose([Load(log), RandAdd()]), hash_func=hash_func, runtime_cache=store)
+            for i in range(len(DATA)):
+                self.check_item(ds[i], DATA[i])
+        self.assertEqual(executions(log), Counter(dict.fromkeys(DATA, 2)))  # once per namespace
+
+    @skip_unless_fork
+    @unittest.skipUnless(dist.is_available(), "needs torch.distributed")
+    def test_two_gloo_ranks_unpicklable_transform_compute_each_item_once(self) -> None:
+        """2 ranks x 2 workers x 3 epochs, 24 items, a transform holding a multiprocessing.Value: 24 computations."""
+        store = self.new_store()
+        log = os.path.join(self.root, "log")
+        init = f"file://{os.path.join(self.root, 'rdzv')}"
+        run_ranks(_unpicklable_rank, (2, init, store.path, log, self.root))
+        self.assertEqual(executions(log), Counter(dict.fromkeys(range(24), 1)))
+        seen = []
+        for r in range(2):
+            with open(os.path.join(self.root, f"seen-rank{r}")) as f:
+                seen += [int(x) for x in f.read().split()]
+        self.assertEqual(sorted(seen), sorted(list(range(24)) * 3))  # each item once per epoch across the ranks
+        self.assertEqual(len(item_files(store.path)), 24)
+
+
+if __name__ == "__main__":
+    unittest.main()

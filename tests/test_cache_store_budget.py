@@ -1,0 +1,150 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import shutil
+import tempfile
+import unittest
+import warnings
+from unittest import mock
+
+import numpy as np
+from parameterized import parameterized
+
+from monai.data import SharedCacheStore
+from monai.data._cache_budget import default_reserve
+
+needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
+TIMEOUT = 120
+ITEM = 8 * 40_000  # bytes of the float64 arrays below, without the file's header
+
+
+def _refused_elsewhere(path: str) -> None:
+    store = SharedCacheStore(path)  # another process that joins the store: the creator's budget holds for it too
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert store.get_or_compute("child", lambda: np.ones(40_000)).sum() == 40_000  # refused, still returned
+
+
+def _warnings(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+@needs_store
+class TestBudget(unittest.TestCase):
+    def setUp(self) -> None:
+        self.root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.root, True)
+
+    def new_store(self, **kwargs) -> SharedCacheStore:
+        store = SharedCacheStore(root=self.root, **kwargs)
+        self.addCleanup(store.close)
+        return store
+
+    def refuse(self, store: SharedCacheStore, item=1) -> str:
+        """Put an item that the budget refuses; the one warning."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertFalse(store.put("refused", item))
+        (message,) = _warnings(caught)
+        return message
+
+    def items(self, store: SharedCacheStore) -> list[str]:
+        return [n for n in os.listdir(store.path) if n.endswith(".item")]
+
+    def test_cap_refuses_past_max_bytes(self):
+        store = self.new_store(max_bytes=3 * ITEM + 3 * 4096, reserve=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(6):
+                item = store.get_or_compute(f"k{i}", lambda i=i: np.full(40_000, float(i)))
+                np.testing.assert_array_equal(item, np.full(40_000, float(i)))  # stored or not, the right item
+        self.assertEqual(sorted(self.items(store)), ["k0.item", "k1.item", "k2.item"])
+        (message,) = _warnings(caught)  # once per process
+        for option in ("max_bytes", "--shm-size", "--ipc=host", "MONAI_CACHE_ROOT"):
+            self.assertIn(option, message)
+        proc = multiprocessing.get_context().Process(target=_refused_elsewhere, args=(store.path,))
+        proc.start()
+        self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
+        proc.join(TIMEOUT)
+        self.assertEqual((proc.exitcode, len(self.items(store))), (0, 3))
+
+    def test_reserve(self):
+        full = self.new_store(reserve=2**62)  # more than any file system has free: nothing is stored
+        self.assertIn("(reserve)", self.refuse(full, np.ones(10)))
+        self.assertEqual((full.get_or_compute("k", lambda: 3), self.items(full), full.get("k")), (3, [], None))
+        self.assertTrue(self.new_store(reserve=0).put("k", np.ones(10)))
+
+    def test_default_reserve(self):
+        self.assertEqual(default_reserve(64 * 2**20), 32 * 2**20)  # half of Docker's default /dev/shm
+        self.assertEqual(default_reserve(256 * 2**30), 4 * 2**30)  # at most 4 GiB of a large one
+        with mock.patch.dict(os.environ, {"MONAI_CACHE_RESERVE_BYTES": ""}):
+            store = self.new_store()
+        with mock.patch("os.statvfs") as statvfs:  # a 64 MiB file system with 40 MiB free
+            statvfs.return_value = mock.Mock(f_bavail=40 * 256, f_blocks=64 * 256, f_frsize=4096)
+            self.assertTrue(store.put("fits", np.ones(2**20 // 8)))  # 40 - 1 MiB >= 32 MiB
+            message = self.refuse(store, np.ones(9 * 2**20 // 8))  # 40 - 9 MiB < 32 MiB
+        self.assertIn("32 MiB are kept free", message)
+
+    def test_environment(self):
+        sub = os.path.join(self.root, "elsewhere")
+        os.mkdir(sub, 0o700)
+        env = {"MONAI_CACHE_ROOT": sub, "MONAI_CACHE_MAX_BYTES": "0", "MONAI_CACHE_RESERVE_BYTES": "0"}
+        with mock.patch.dict(os.environ, env):
+            store = SharedCacheStore()
+            self.addCleanup(store.close)
+        self.assertEqual(os.path.dirname(store.path), sub)
+        self.assertIn("max_bytes=0", self.refuse(store))  # the cap of 0 bytes from the environment
+        with mock.patch.dict(os.environ, {"MONAI_CACHE_RESERVE_BYTES": str(2**62)}):
+            self.assertIn("(reserve)", self.refuse(self.new_store()))
+        with mock.patch.dict(os.environ, {"MONAI_CACHE_ROOT": os.path.join(self.root, "missing")}):
+            with self.assertRaisesRegex(FileNotFoundError, "MONAI_CACHE_ROOT"):
+                SharedCacheStore()
+        bad = [("MONAI_CACHE_MAX_BYTES", "lots"), ("MONAI_CACHE_RESERVE_BYTES", "1e6"), ("MONAI_CACHE_MAX_BYTES", "²")]
+        for name, value in bad:
+            with mock.patch.dict(os.environ, {name: value}):
+                with self.assertRaisesRegex(ValueError, f"{name}='{value}'"):
+                    SharedCacheStore(root=sub)
+        self.assertEqual(os.listdir(sub), [os.path.basename(store.path)])  # nothing left by the refused ones
+
+    @parameterized.expand([("negative", {"reserve": -1}), ("float", {"max_bytes": 1.5}), ("bool", {"max_bytes": True})])
+    def test_bad_values(self, _, kwargs):
+        with self.assertRaisesRegex(ValueError, "non-negative number of bytes"):
+            SharedCacheStore(root=self.root, **kwargs)
+        self.assertEqual(os.listdir(self.root), [])  # nothing was created
+
+    @parameterized.expand([("reserve",), ("max_bytes",)])
+    def test_budget_only_at_creation(self, name):
+        store = self.new_store()
+        with self.assertRaisesRegex(ValueError, "only used to create a new store"):
+            SharedCacheStore(store.path, **{name: 10})
+
+    def test_a_new_store_at_a_freed_stores_address_still_warns(self):
+        """Warnings are once per store and process: a store that reuses the id() of a freed one warns too."""
+        seen: dict[int, int] = {}
+        for attempt in range(50):
+            store = SharedCacheStore(root=self.root, reserve=2**62)
+            self.assertIn("(reserve)", self.refuse(store), f"attempt {attempt}")
+            seen[id(store)] = seen.get(id(store), 0) + 1
+            store.close()
+            del store
+            gc.collect()
+            if max(seen.values()) >= 2:
+                return
+        self.skipTest("no store reused the address of a freed one in 50 attempts")
+
+
+if __name__ == "__main__":
+    unittest.main()
