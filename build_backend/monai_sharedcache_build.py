@@ -814,11 +814,11 @@ def write_pr_description(
 
 
 def _module_summary(path: Path) -> str:
-    """The first line of a module's docstring."""
+    """The first paragraph of a module's docstring, on one line."""
     import ast
 
-    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else path.name
+    doc = (ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or "").strip()
+    return " ".join(doc.split("\n\n")[0].split()) if doc else path.name
 
 
 def _main(argv: list[str] | None = None) -> int:

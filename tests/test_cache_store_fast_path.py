@@ -136,7 +136,12 @@ class TestMappingPool(unittest.TestCase):
         patcher.start()
         self.addCleanup(patcher.stop)
 
-    def test_unwritten_mapping_is_reused_written_one_never(self):
+    @parameterized.expand([("page_scan", None), ("pagemap_read", False)])
+    def test_unwritten_mapping_is_reused_written_one_never(self, _, scan_works):
+        if scan_works is False:  # as on kernels < 6.7: no PAGEMAP_SCAN, so no write watch; pages read from the pagemap
+            patcher = mock.patch.object(cache_pages, "_scan_works", False)
+            patcher.start()
+            self.addCleanup(patcher.stop)
         store = self.new_store()
         item = os.path.join(store.path, "k.item")
         store.put("k", torch.arange(100_000))
