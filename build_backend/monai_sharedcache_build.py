@@ -788,9 +788,7 @@ def bench_table(ids: list[str], results: dict | None) -> str:
     return "\n".join(lines)
 
 
-def write_pr_description(
-    out: Path, st: Stage, sizes: dict[str, int], diffstat: str, src_root: Path = ROOT
-) -> Path:
+def write_pr_description(out: Path, st: Stage, sizes: dict[str, int], diffstat: str, src_root: Path = ROOT) -> Path:
     """Fill ``docs/pr/<stage>.md.in``: version, size, the tests kept in the fork, benchmark rows and the diffstat."""
     template = (src_root / "docs" / "pr" / f"{st.name}.md.in").read_text(encoding="utf-8")
     changed = sizes["code"] + sizes["docs"]

@@ -16,8 +16,9 @@ from DIR's ``tests/``, ``docs/``, ``setup.cfg`` and ``requirements-dev.txt`` wit
 ``monai/``. Then each PR of ``dist/pr`` (exported afresh) is applied in turn with ``git apply``, and for each one:
 
 - its size (changed lines of code and tests, and of docs) against the caps, and the tokens it must not add;
-- MONAI's flake8 configuration (DIR's ``setup.cfg``) with the plugins that DIR's ``requirements-dev.txt`` pins,
-  installed in a venv of the scratch directory, on every Python file the PR adds or changes;
+- MONAI's code format as its ``codeformat`` job checks it: black (DIR's ``pyproject.toml``), isort and flake8 (DIR's
+  ``setup.cfg``, with the plugins that DIR's ``requirements-dev.txt`` pins), installed in a venv of the scratch
+  directory, on every Python file the PR adds or changes;
 - every test file the PR adds, with ``python -m unittest tests.data.<module>`` and ``QUICKTEST=True``, as MONAI's
   ``quick-py3`` job runs it, three ways: the default start method, spawn (macOS, Windows), and a Python without
   ``fcntl`` (Windows), through ``tests/modes/``.
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import monai_sharedcache_build as build  # noqa: E402
 
 MODES = ("default", "spawn", "nofcntl")
-LINT_PACKAGES = re.compile(r"^(flake8\S*|pep8-naming\S*)")
+LINT_PACKAGES = re.compile(r"^(flake8\S*|pep8-naming\S*|black\S*|isort\S*)")
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -69,7 +70,7 @@ def make_layout(checkout: Path, scratch: Path) -> Path:
 
 
 def lint_python(checkout: Path, scratch: Path) -> str:
-    """A venv with flake8 and the plugins that MONAI's requirements-dev.txt pins; its python."""
+    """A venv with black, isort, flake8 and the flake8 plugins that MONAI's requirements-dev.txt pins; its python."""
     specs = []
     for line in (checkout / "requirements-dev.txt").read_text().splitlines():
         line = line.split("#")[0].strip()
@@ -81,8 +82,10 @@ def lint_python(checkout: Path, scratch: Path) -> str:
     proc = _run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *specs], timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"cannot install MONAI's flake8 plugins {specs}: {proc.stderr[-2000:]}")
-    version = _run([py, "-m", "flake8", "--version"]).stdout.strip().replace("\n", " ")
-    print(f"flake8 with MONAI's pins {specs}: {version}")
+    versions = [
+        _run([py, "-m", tool, "--version"]).stdout.strip().splitlines()[0] for tool in ("black", "isort", "flake8")
+    ]
+    print(f"MONAI's pins {specs}: " + "; ".join(v for v in versions if v))
     return py
 
 
@@ -148,9 +151,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  forbidden tokens {st.forbids or '(none)'}: {'found ' + str(bad) if bad else 'none added'}")
             files = [ln.split("\t")[-1] for ln in stat.stdout.splitlines()]
             py_files = [f for f in files if f.endswith(".py") and (repo / f).is_file()]
-            flake = _run([lint, "-m", "flake8", "--config", "setup.cfg", *py_files], cwd=repo) if py_files else None
-            problems = flake.stdout.strip().splitlines() if flake is not None else []
-            print(f"  flake8 (MONAI's setup.cfg) on {len(py_files)} files: {'clean' if not problems else 'PROBLEMS'}")
+            problems = []
+            for tool in (["black", "--check", "--quiet"], ["isort", "--check-only", "--quiet"], ["flake8"]):
+                proc = _run([lint, "-m", *tool, *py_files], cwd=repo) if py_files else None
+                if proc is not None and proc.returncode != 0:
+                    problems += [f"{tool[0]}: {ln}" for ln in (proc.stdout + proc.stderr).strip().splitlines()]
+            verdict = "clean" if not problems else "PROBLEMS"
+            print(f"  black, isort, flake8 (MONAI's configuration) on {len(py_files)} files: {verdict}")
             for line in problems:
                 print("    " + line)
             modules = [f"tests.data.{t[:-3]}" for t in st.tests]

@@ -41,7 +41,7 @@ _GPU = "SharedCacheStore stores CPU tensors only, got one on {}: keep the cached
 _GPU += "data to the GPU after them, e.g. with EnsureTyped(keys, device=...) after the first random transform."
 
 
-class CorruptItem(Exception):
+class CorruptItemError(Exception):
     """A file that is not a complete item of this format."""
 
 
@@ -175,25 +175,25 @@ def decode(buf: memoryview, key: str) -> Any:
     The item in the file content ``buf``, or ``MISS`` if the file holds another key.
 
     Raises:
-        CorruptItem: ``buf`` is not a complete item of this format.
+        CorruptItemError: ``buf`` is not a complete item of this format.
     """
     if buf.nbytes < _PREFIX.size:
-        raise CorruptItem("truncated header")
+        raise CorruptItemError("truncated header")
     magic, version, _, header_len, total, key_len, n_buffers, pickle_len = _PREFIX.unpack_from(buf, 0)
     if magic != _MAGIC or version != VERSION:
-        raise CorruptItem("bad magic or version")
+        raise CorruptItemError("bad magic or version")
     table = _PREFIX.size + key_len
     if total != buf.nbytes or table + _ENTRY.size * n_buffers > header_len or header_len + pickle_len > total:
-        raise CorruptItem("truncated or inconsistent lengths")
+        raise CorruptItemError("truncated or inconsistent lengths")
     if bytes(buf[_PREFIX.size : table]) != key.encode("utf-8", "surrogatepass"):
         return MISS
     buffers = []
     for i in range(n_buffers):
         offset, length = _ENTRY.unpack_from(buf, table + i * _ENTRY.size)
         if offset < header_len + pickle_len or offset + length > total:
-            raise CorruptItem("bad buffer table")
+            raise CorruptItemError("bad buffer table")
         buffers.append(buf[offset : offset + length])
     try:
         return pickle.loads(buf[header_len : header_len + pickle_len], buffers=buffers)
     except (pickle.UnpicklingError, EOFError, struct.error) as err:
-        raise CorruptItem(f"bad pickle stream: {err}") from err
+        raise CorruptItemError(f"bad pickle stream: {err}") from err

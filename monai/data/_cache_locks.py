@@ -15,8 +15,8 @@ Each question is whether some process is still alive, and pids cannot answer it 
 sharing ``/dev/shm`` see each other's files, not each other's processes). So each fact is an ``fcntl.flock`` lock on
 a file of the store, which the kernel releases when its holder dies, in any namespace: a lock that can be taken
 means that its holder is gone. Using a store is a shared lock on ``<store>/.lock`` per store object. Locks are held
-on descriptors that a forked child closes at once, so a DataLoader worker never keeps or removes a store. Without ``fcntl`` (Windows) there is no store:
-:py:data:`AVAILABLE`, the one place that asks, is ``False``.
+on descriptors that a forked child closes at once, so a DataLoader worker never keeps or removes a store.
+Without ``fcntl`` (Windows) there is no store: :py:data:`AVAILABLE`, the one place that asks, is ``False``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import stat
 import tempfile
 import time
 import weakref
+
 try:
     import fcntl
 except ImportError:  # Windows

@@ -217,7 +217,7 @@ class SharedCacheStore:
             pass
         except OSError as err:
             self._warn_once("cannot read items", err)
-        except fmt.CorruptItem:
+        except fmt.CorruptItemError:
             try:
                 if os.lstat(path).st_ino == ino:  # not one published since
                     os.unlink(path)

@@ -53,13 +53,13 @@ def executions(log: str) -> int:
 
 def epochs_after_a_fault(ds: CacheDataset, log: str, break_it) -> None:
     loader = DataLoader(ds, batch_size=4, num_workers=0)  # one process, so exactly one warning
-    for batch in loader:
+    for _ in loader:
         pass
     assert executions(log) == 16
     break_it()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for epoch in range(2):
+        for _ in range(2):
             for batch in loader:
                 assert torch.equal(batch["image"].amax(dim=(1, 2, 3)), batch["id"].float())
     cache_warnings = [w for w in caught if issubclass(w.category, RuntimeWarning)]

@@ -62,7 +62,7 @@ def train(log: str) -> None:
     assert ds.cache_num == 8
     done = executions(log)
     loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2)
-    for epoch in range(2):
+    for _ in range(2):
         ids = []
         for batch in loader:
             assert torch.equal(batch["image"].amax(dim=(1, 2, 3)), batch["id"].float())

@@ -81,7 +81,7 @@ def measure(name: str, runtime_cache, store: SharedCacheStore | None = None) -> 
     ds = CacheDataset(data, transform, runtime_cache=runtime_cache, progress=False)
     loader = DataLoader(ds, batch_size=4, num_workers=2)
     for epoch in range(2):
-        for step, batch in enumerate(loader):
+        for step, _ in enumerate(loader):
             if epoch == 1 and step == len(loader) - 1:  # measure while the workers are alive
                 pids = descendants(os.getpid())
                 rss, pss = rss_and_pss(pids)
