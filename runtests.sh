@@ -134,7 +134,7 @@ if [ $docs -eq 1 ]; then
     ensure_deps sphinx
     layout
     PYTHONPATH="$PWD/$TREE" $PY -m sphinx -W --keep-going -q -b html docs/source docs/build/html
-    echo "docs: built docs/build/html; running every recipe of the guide"
+    echo "docs: built docs/build/html; running every recipe of the tutorials companion"
     $PY tutorials/run_recipes.py
 fi
 

@@ -82,10 +82,10 @@ def lint_python(checkout: Path, scratch: Path) -> str:
     proc = _run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *specs], timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"cannot install MONAI's flake8 plugins {specs}: {proc.stderr[-2000:]}")
-    versions = [
-        _run([py, "-m", tool, "--version"]).stdout.strip().splitlines()[0] for tool in ("black", "isort", "flake8")
-    ]
-    print(f"MONAI's pins {specs}: " + "; ".join(v for v in versions if v))
+    code = "import black as b, isort as i, flake8 as f; print(b.__version__, i.__version__, f.__version__)"
+    versions = "black {}, isort {}, flake8 {}".format(*_run([py, "-c", code]).stdout.split())
+    plugins = " ".join(_run([py, "-m", "flake8", "--version"]).stdout.split("(", 1)[-1].split(")")[0].split())
+    print(f"MONAI's pins {specs}: {versions} ({plugins})")
     return py
 
 
@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             stat = _run(["git", "apply", "--numstat", str(patch)], cwd=repo)
             applied = _run(["git", "apply", str(patch)], cwd=repo)
             sizes = f"{row['code']} lines of code and tests (cap {build.CODE_CAP}), {row['docs']} of docs (cap {build.DOCS_CAP})"
+            if st.max_lines is not None:
+                sizes += f", {row['code'] + row['docs']} in all (cap {st.max_lines})"
             good = applied.returncode == 0 and row["code"] <= build.CODE_CAP and row["docs"] <= build.DOCS_CAP
+            good &= st.max_lines is None or row["code"] + row["docs"] <= st.max_lines
             print(f"PR {st.name}: {'applies' if applied.returncode == 0 else 'DOES NOT APPLY'}; {sizes}")
             if applied.returncode != 0:
                 print("  " + applied.stderr.strip())
