@@ -21,19 +21,27 @@ import sys
 import threading
 import time
 import unittest
+from collections import Counter
 from typing import Any, Callable
 
 import torch
 
 import monai
-from monai.data import SharedCacheStore
+from monai.transforms import RandomizableTransform, Transform
+
+try:
+    from monai.data import SharedCacheStore
+
+    STORE = SharedCacheStore.supported
+except ImportError:  # PR 01 alone has no store: its fork-only tests import these helpers too
+    STORE = False
 
 TIMEOUT = 120.0  # seconds for any wait on another process
 IS_LINUX = sys.platform.startswith("linux")
 FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
 skip_unless_fork = unittest.skipIf(FORK is None, "needs the fork start method (not on Windows)")
 skip_unless_linux = unittest.skipUnless(IS_LINUX, "needs Linux (/proc, PID namespaces)")
-skip_unless_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl (not on Windows)")
+skip_unless_store = unittest.skipUnless(STORE, "SharedCacheStore needs fcntl (not on Windows)")
 ENV = {
     **os.environ,
     "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(monai.__file__)), os.environ.get("PYTHONPATH", "")]),
@@ -191,3 +199,75 @@ def end(proc: Any) -> None:
     if proc.is_alive():
         os.kill(proc.pid, signal.SIGKILL)
     proc.join(TIMEOUT)
+
+
+# -- what the fork-only tests cache: children import these by this module's name --------------------------------------
+
+
+class Load(Transform):
+    """Deterministic: appends each input that it computes to the file ``log``, if given (one write: atomic)."""
+
+    def __init__(self, log: str | None = None) -> None:
+        self.log = log
+
+    def __call__(self, x):
+        src = x["id"] if isinstance(x, dict) else x
+        if self.log:
+            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, f"{src}\n".encode())
+            finally:
+                os.close(fd)
+        return {"src": src, "img": torch.full((3, 4), float(src))}
+
+
+class CountedLoad(Load):
+    """``Load`` holding members that pickle cannot store: a lock and a ``multiprocessing.Value``."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__(log)
+        self.lock = threading.Lock()
+        self.calls = multiprocessing.Value("i", 0)
+
+    def __call__(self, x):
+        with self.lock, self.calls.get_lock():
+            self.calls.value += 1
+        return super().__call__(x)
+
+
+class RandAdd(RandomizableTransform):
+    """Random: adds 1 in place, so that an item shared with the cache would come back with 2, then 3."""
+
+    def __call__(self, d):
+        d["img"] += 1.0
+        return d
+
+
+class Scale(Transform):
+    """Another deterministic transform: other cached content for the same input."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def __call__(self, d):
+        return {**d, "img": d["img"] * self.factor}
+
+
+def executions(log: str) -> Counter:
+    """How many times :py:class:`Load` computed each input, in any process."""
+    if not os.path.exists(log):
+        return Counter()
+    with open(log) as f:
+        return Counter(int(line) for line in f.read().split())
+
+
+def mapped_files(address: int) -> list[str]:
+    """The files mapped at ``address`` in this process (from /proc/self/maps; empty: nothing, or anonymous memory)."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi and len(fields) >= 6:
+                found.append(fields[5])
+    return found

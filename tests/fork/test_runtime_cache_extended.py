@@ -29,62 +29,19 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+from fork_utils import CountedLoad, Load, RandAdd, Scale, executions
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader, SmartCacheDataset
 from monai.data.dataset import _ListCache
 from monai.data.utils import transforms_hashing
-from monai.transforms import Compose, Lambda, Lambdad, RandomizableTransform, Transform
+from monai.transforms import Compose, Lambda, Lambdad, RandomizableTransform
 
 TIMEOUT = 120.0  # seconds for any wait on another process
 DATA = list(range(10))
 START_METHODS = [m for m in ("fork", "spawn") if m in multiprocessing.get_all_start_methods()]
 # DataLoader workers of the ranks: fork where there is fork (a full interpreter start per spawned worker is slow)
 WORKER_METHOD = "fork" if "fork" in START_METHODS else "spawn"
-
-
-class Load(Transform):
-    """Deterministic: appends each input that it computes to the file ``log``, if given (one line, atomically)."""
-
-    def __init__(self, log: str | None = None) -> None:
-        self.log = log
-
-    def __call__(self, x):
-        src = x["id"] if isinstance(x, dict) else x
-        if self.log:
-            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, f"{src}\n".encode())
-            finally:
-                os.close(fd)
-        return {"src": src, "img": torch.full((3, 4), float(src))}
-
-
-class RandAdd(RandomizableTransform):
-    """Random: adds 1 in place, so that an item shared with the cache would come back with 2, then 3."""
-
-    def __call__(self, d):
-        d["img"] += 1.0
-        return d
-
-
-class Scale(Transform):
-    """Another deterministic transform: other cached content for the same input."""
-
-    def __init__(self, factor: float) -> None:
-        self.factor = factor
-
-    def __call__(self, d):
-        return {**d, "img": d["img"] * self.factor}
-
-
-class CountedLoad(Load):
-    """``Load`` with members that pickle cannot store: a lock and a ``multiprocessing.Value``."""
-
-    def __init__(self, log: str) -> None:
-        super().__init__(log)
-        self.lock = threading.Lock()
-        self.calls = multiprocessing.Value("i", 0)
 
 
 def make_transform(log: str | None = None) -> Compose:
@@ -100,13 +57,6 @@ def check_item(test: unittest.TestCase, item: dict, src, added: float = 1.0) -> 
     test.assertEqual(item["src"], src)
     expected = torch.full((3, 4), float(src) + added)
     test.assertTrue(torch.equal(torch.as_tensor(item["img"]), expected), f"wrong image for {src}: {item['img']}")
-
-
-def executions(log: str) -> Counter:
-    if not os.path.exists(log):
-        return Counter()
-    with open(log) as f:
-        return Counter(int(line) for line in f.read().split())
 
 
 def join_all(test: unittest.TestCase, procs: list) -> list:

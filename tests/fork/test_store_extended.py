@@ -41,8 +41,14 @@ from fork_utils import (
     ENV,
     FORK,
     TIMEOUT,
+    CountedLoad,
+    Load,
+    RandAdd,
+    Scale,
     end,
+    executions,
     item_files,
+    mapped_files,
     participated,
     recv,
     run_forked,
@@ -57,7 +63,7 @@ from parameterized import parameterized
 from monai.data import CacheDataset, DataLoader, MetaTensor, SharedCacheStore
 from monai.data import _cache_format as fmt
 from monai.data.utils import pickle_hashing
-from monai.transforms import Compose, RandomizableTransform, Transform
+from monai.transforms import Compose, Transform
 
 # -- items ------------------------------------------------------------------------------------------------------------
 
@@ -190,18 +196,6 @@ class StoreCase(unittest.TestCase):
         store = SharedCacheStore(path) if path else SharedCacheStore(root=self.root)
         self.addCleanup(store.close)
         return store
-
-
-def _mapped_files(address: int) -> list[str]:
-    """The files mapped at ``address`` in this process, from /proc/self/maps."""
-    found = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi and len(fields) >= 6:
-                found.append(fields[5])
-    return found
 
 
 @skip_unless_store
@@ -348,8 +342,8 @@ class TestZeroCopy(StoreCase):
             digest = hashlib.sha256(f.read()).hexdigest()
         first, second = store.get("k"), store.get("k")
         # the data lives in a mapping of the item file, not in a copy
-        self.assertEqual(_mapped_files(first["t"].data_ptr()), [path])
-        self.assertEqual(_mapped_files(first["a"].ctypes.data), [path])
+        self.assertEqual(mapped_files(first["t"].data_ptr()), [path])
+        self.assertEqual(mapped_files(first["a"].ctypes.data), [path])
         self.assertNotEqual(first["t"].data_ptr(), second["t"].data_ptr())
         self.assertTrue(first["a"].flags.writeable and first["a"].flags.aligned)
         self.assertEqual(first["t"].data_ptr() % 64, 0)
@@ -368,7 +362,7 @@ class TestZeroCopy(StoreCase):
         store.put("k", torch.arange(100_000))
         t = store.get("k")
         path = os.path.join(store.path, "k.item")
-        self.assertEqual(_mapped_files(t.data_ptr()), [path])
+        self.assertEqual(mapped_files(t.data_ptr()), [path])
         store.discard(["k"])  # the file is gone; the private mapping stays valid
         gc.collect()
         self.assertFalse(os.path.exists(path))
@@ -376,7 +370,7 @@ class TestZeroCopy(StoreCase):
         address = t.data_ptr()
         del t
         gc.collect()
-        self.assertEqual(_mapped_files(address), [])  # unmapped with its last view
+        self.assertEqual(mapped_files(address), [])  # unmapped with its last view
         self.assertIsNone(store.get("k"))
 
 
@@ -531,53 +525,6 @@ class TestManyItems(StoreCase):
 DATA = list(range(10))
 
 
-class Load(Transform):
-    """A deterministic transform that records each execution as a line in ``log`` (if given)."""
-
-    def __init__(self, log: str | None = None) -> None:
-        self.log = log
-
-    def __call__(self, x):
-        src = x["id"] if isinstance(x, dict) else x
-        if self.log:
-            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, f"{src}\n".encode())
-            finally:
-                os.close(fd)
-        return {"src": src, "img": torch.full((3, 4), float(src))}
-
-
-class CountedLoad(Load):
-    """``Load`` holding members that pickle cannot store: a lock and a ``multiprocessing.Value``."""
-
-    def __init__(self, log: str) -> None:
-        super().__init__(log)
-        self.lock = threading.Lock()
-        self.calls = multiprocessing.Value("i", 0)
-
-    def __call__(self, x):
-        with self.lock, self.calls.get_lock():
-            self.calls.value += 1
-        return super().__call__(x)
-
-
-class RandAdd(RandomizableTransform):
-    """A random transform that adds 1 in place: an item shared with the cache would come back with 2, then 3."""
-
-    def __call__(self, d):
-        d["img"] += 1.0
-        return d
-
-
-class Scale(Transform):
-    def __init__(self, factor: float) -> None:
-        self.factor = factor
-
-    def __call__(self, d):
-        return {**d, "img": d["img"] * self.factor}
-
-
 class Tag(Transform):
     """Tells whether it was given a whole list or one element of it."""
 
@@ -591,13 +538,6 @@ def _key_train(item) -> bytes:
 
 def _key_val(item) -> bytes:
     return pickle_hashing(("val", item))
-
-
-def executions(log: str) -> Counter:
-    if not os.path.exists(log):
-        return Counter()
-    with open(log) as f:
-        return Counter(int(line) for line in f.read().split())
 
 
 def _unpicklable_rank(rank: int, world: int, init: str, path: str, log: str, out_dir: str) -> None:
