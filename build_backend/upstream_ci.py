@@ -18,7 +18,8 @@ from DIR's ``tests/``, ``docs/``, ``setup.cfg`` and ``requirements-dev.txt`` wit
 - its size (changed lines of code and tests, and of docs) against the caps, and the tokens it must not add;
 - MONAI's code format as its ``codeformat`` job checks it: black (DIR's ``pyproject.toml``), isort and flake8 (DIR's
   ``setup.cfg``, with the plugins that DIR's ``requirements-dev.txt`` pins), installed in a venv of the scratch
-  directory, on every Python file the PR adds or changes;
+  directory, on every Python file the PR adds or changes, and MONAI's mypy configuration on its files under ``monai/``
+  (what mypy says of other files is upstream's);
 - every test file the PR adds, with ``python -m unittest tests.data.<module>`` and ``QUICKTEST=True``, as MONAI's
   ``quick-py3`` job runs it, three ways: the default start method, spawn (macOS, Windows), and a Python without
   ``fcntl`` (Windows), through ``tests/modes/``.
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import monai_sharedcache_build as build  # noqa: E402
 
 MODES = ("default", "spawn", "nofcntl")
-LINT_PACKAGES = re.compile(r"^(flake8\S*|pep8-naming\S*|black\S*|isort\S*)")
+LINT_PACKAGES = re.compile(r"^(flake8\S*|pep8-naming\S*|black\S*|isort\S*|mypy\S*)")
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -159,8 +160,13 @@ def main(argv: list[str] | None = None) -> int:
                 proc = _run([lint, "-m", *tool, *py_files], cwd=repo) if py_files else None
                 if proc is not None and proc.returncode != 0:
                     problems += [f"{tool[0]}: {ln}" for ln in (proc.stdout + proc.stderr).strip().splitlines()]
+            code_files = [f for f in py_files if f.startswith("monai/")]
+            if code_files:
+                cmd = [lint, "-m", "mypy", "--config-file", "setup.cfg", "--python-executable", sys.executable]
+                out = _run([*cmd, *code_files], cwd=repo).stdout
+                problems += [f"mypy: {ln}" for ln in out.splitlines() if ln.split(":")[0] in code_files]
             verdict = "clean" if not problems else "PROBLEMS"
-            print(f"  black, isort, flake8 (MONAI's configuration) on {len(py_files)} files: {verdict}")
+            print(f"  black, isort, flake8, mypy (MONAI's configuration) on {len(py_files)} files: {verdict}")
             for line in problems:
                 print("    " + line)
             modules = [f"tests.data.{t[:-3]}" for t in st.tests]

@@ -63,10 +63,10 @@ def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple, cls: type, st
     return t
 
 
-def _rebuild_ndarray(buffer: Any, dtype: np.dtype, shape: tuple, order: str) -> np.ndarray:
+def _rebuild_ndarray(buffer: Any, dtype: np.dtype, shape: tuple, order: Any) -> np.ndarray:
     if buffer is None:
-        return np.empty(shape, dtype=dtype, order=order)  # type: ignore[call-overload]
-    return np.frombuffer(buffer, dtype=np.uint8).view(dtype).reshape(shape, order=order)  # type: ignore[call-overload]
+        return np.empty(shape, dtype=dtype, order=order)
+    return np.frombuffer(buffer, dtype=np.uint8).view(dtype).reshape(shape, order=order)
 
 
 class _Pickler(pickle.Pickler):
@@ -167,7 +167,8 @@ def read_file(path: str) -> tuple[memoryview, int]:
         except OSError:
             same = False
         raise OSError(errno.EIO if same else errno.ENOENT, str(err), path) from err
-    return memoryview(cast(Any, torch.empty(0, dtype=torch.uint8).set_(storage).numpy())), st.st_ino
+    array = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage)).numpy()
+    return memoryview(cast(Any, array)), st.st_ino
 
 
 def decode(buf: memoryview, key: str) -> Any:

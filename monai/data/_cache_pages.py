@@ -67,7 +67,7 @@ def _scan(addr: int, size: int, inverted: int, mask: int, anyof: int) -> bool | 
     if fd is None:
         return None
     try:
-        found = fcntl.ioctl(fd, _PAGEMAP_SCAN, arg)
+        found = int(fcntl.ioctl(fd, _PAGEMAP_SCAN, arg))  # type: ignore[call-overload]  # a mutable buffer: an int
     except OSError:
         _scan_works = False  # ENOTTY or EINVAL: a kernel older than 6.7
         return None

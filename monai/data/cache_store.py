@@ -92,6 +92,8 @@ class SharedCacheStore:
     """
 
     supported = locks.AVAILABLE  # whether stores can be made here (not without fcntl, as on Windows)
+    _gone: bool  # closed, or the directory is gone: always miss
+    _writable: bool  # False after a persistent write error
 
     def __init__(self, path: str | os.PathLike | None = None, *, root: str | os.PathLike | None = None) -> None:
         if not self.supported:
@@ -123,8 +125,7 @@ class SharedCacheStore:
 
     def _setup(self, path: str) -> None:
         self._path, self._tmp = path, os.path.join(path, _TMP)
-        self._gone = False  # closed, or the directory is gone: always miss
-        self._writable = True  # False after a persistent write error
+        self._gone, self._writable = False, True
         self._warned: set[tuple[int, str]] = set()  # (pid, what): each process warns once per store
         self._finalizer: weakref.finalize | None = None
 
