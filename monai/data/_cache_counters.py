@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import weakref
 from typing import Any
 
 from monai.data import _cache_locks as locks
@@ -49,6 +50,7 @@ class Counters:
         self._local = [0] * len(FIELDS)  # the events of this process
         self._slot = [0] * len(FIELDS)  # what its slot holds: the counts of the slot's earlier holders, plus those
         self._held: locks.Held | None = None
+        _ALL.add(self)
 
     def _attach(self) -> None:
         """Take a slot, at the first event of this process."""
@@ -74,8 +76,6 @@ class Counters:
 
     def add(self, field: int, n: int = 1) -> None:
         """Count ``n`` events of the kind ``FIELDS[field]`` in this process."""
-        if self._pid != os.getpid():
-            self._lock = threading.Lock()  # another thread may have held it at the fork
         with self._lock:
             if self._pid != os.getpid():
                 self._attach()
@@ -86,6 +86,13 @@ class Counters:
                     os.pwrite(self._held.fd, _SLOT.pack(*self._slot), 0)
                 except OSError:
                     self._held = None
+
+    def close(self) -> None:
+        """Give this process's slot up; its counts stay in it."""
+        with self._lock:
+            if self._held is not None and self._pid == os.getpid():
+                self._held.close()
+            self._held = None
 
     def local(self) -> dict[str, int]:
         """The counts of this process."""
@@ -117,3 +124,13 @@ class Counters:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["path"])  # type: ignore[misc]
+
+
+def _after_fork_in_child() -> None:
+    for counts in list(_ALL):
+        counts._lock = threading.Lock()  # another thread may have held it at the fork
+
+
+_ALL: weakref.WeakSet[Counters] = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -95,7 +95,12 @@ def try_hold(path: str, flags: int = 0, shared: bool = False) -> Held | None:
     """
     while True:
         held = Held(os.open(path, _OPEN | flags, 0o600))
-        if not _try_lock(held.fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX):
+        try:
+            locked = _try_lock(held.fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        except BaseException:  # such as ENOLCK: no descriptor is left open
+            held.close()
+            raise
+        if not locked:
             held.close()
             return None
         if _same_file(held.fd, path):

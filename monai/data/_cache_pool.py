@@ -107,6 +107,8 @@ class _MappingPool:
             found = None
             if free:
                 addr, size, state = free.pop()
+                if not free:
+                    del self._free[ident]
                 self._order.remove((ident, addr, size, state))
                 found = addr, state
         self.drain()
@@ -154,7 +156,10 @@ class _MappingPool:
         keep = keep[max(0, len(keep) - self.MAX_MAPPINGS) :]
         for entry in self._order:
             if entry not in keep:
-                self._free[entry[0]].remove(entry[1:])
+                free = self._free[entry[0]]
+                free.remove(entry[1:])
+                if not free:
+                    del self._free[entry[0]]
                 unmap.append(entry[1:3])
         self._order = keep
         for addr, size in unmap:
@@ -182,7 +187,6 @@ if hasattr(os, "register_at_fork"):
 ENABLED = (
     sys.platform.startswith("linux") and os.environ.get("MONAI_CACHE_FAST_PATH", "1") != "0" and _libc() is not None
 )
-_PAGE = mmap.PAGESIZE
 
 
 def _is_current(ident: tuple) -> bool:

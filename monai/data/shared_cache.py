@@ -232,6 +232,5 @@ def create_shared_cache(
     finally:
         if made_here:
             dist.destroy_process_group(exchange)
-    if store is None:  # unreachable: every rank either created or attached, or raised
-        raise RuntimeError("create_shared_cache: no store was created or attached.")
+    assert store is not None  # every rank either created or attached, or raised
     return store
