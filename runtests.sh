@@ -146,7 +146,6 @@ fi
 
 if [ -n "$upstream_ci" ]; then
     ensure_deps torch numpy parameterized
-    layout
     $PY build_backend/upstream_ci.py "$upstream_ci"
     exit $?
 fi

@@ -231,6 +231,8 @@ class TestLifetime(StoreTestCase):
             proc = FORK.Process(target=store.close if how == "close" else gc.collect)  # type: ignore[union-attr]
             proc.start()
             proc.join(TIMEOUT)
+            if proc.is_alive():
+                proc.kill()
             self.assertEqual(proc.exitcode, 0)
             self.assertTrue(os.path.isdir(store.path), how)
 

@@ -235,6 +235,7 @@ class TestFill(DistTestCase):
                 child.join(TIMEOUT)
                 if child.is_alive():
                     child.kill()
+                    child.join(TIMEOUT)
                 self.assertEqual(child.exitcode, -signal.SIGKILL)
                 self.assertEqual(len(os.listdir(os.path.join(store.path, ".counters"))), 2)
                 store.discard(["c"])  # so that the next child computes it again

@@ -65,11 +65,15 @@ def run_ranks(fn: Callable, args: tuple, nprocs: int = 2, timeout: float = 2 * T
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; kill them and fail past ``timeout``."""
     ctx = torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise AssertionError("the ranks timed out")
+    finally:  # a rank that failed or timed out leaves no process behind
+        for p in ctx.processes:
+            if p.is_alive():
                 p.kill()
-            raise AssertionError("the ranks timed out")
+            p.join(TIMEOUT)
 
 
 def recv(conn: Any, timeout: float = TIMEOUT) -> Any:
@@ -183,8 +187,8 @@ def private_mount_namespace() -> str | None:
     return None if probe.returncode == 0 else f"cannot mount a tmpfs in a private namespace: {probe.stderr.strip()}"
 
 
-QUICK = os.environ.get("QUICKTEST", "").strip().lower() in ("1", "true", "yes", "on")
-skip_if_quick = unittest.skipIf(QUICK, "a slow test: QUICKTEST is set")
+QUICK = os.environ.get("QUICKTEST", "").lower() == "true"  # as MONAI's tests/test_utils.py reads it
+skip_if_quick = unittest.skipIf(QUICK, "a slow test: QUICKTEST=true")
 
 
 def item_files(path: str) -> list[str]:
