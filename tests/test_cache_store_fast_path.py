@@ -275,6 +275,8 @@ class TestMappingPool(unittest.TestCase):
             del t  # kept by the pool for the next read
             gc.collect()
         self.assertEqual(_maps_of(path), [os.path.join(path, f"k{n}.item") for n in range(3)])
+        store.discard([])  # set_data with the same inputs: nothing to unmap
+        self.assertEqual(_maps_of(path), [os.path.join(path, f"k{n}.item") for n in range(3)])
         store.discard(["k0", "k1"])  # set_data dropped two inputs
         gc.collect()
         self.assertEqual([m for m in _maps_of(path) if "k0" in m or "k1" in m], [])

@@ -30,10 +30,12 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from fork_utils import TIMEOUT, end, skip_if_quick, skip_unless_store
+from fork_utils import TIMEOUT, end, run_forked, skip_if_quick, skip_unless_fork, skip_unless_store
 from parameterized import parameterized
 
-from monai.data import CacheDataset, create_shared_cache
+from monai.data import CacheDataset, SharedCacheStore
+from monai.data import _cache_locks as locks
+from monai.data import create_shared_cache
 from monai.transforms import Compose, RandomizableTransform, Transform
 from monai.utils import optional_import
 
@@ -119,6 +121,56 @@ def _fill_rank(rank: int, world: int, tmp: str, kill_rank: int | None, share: bo
     with open(os.path.join(tmp, f"done{rank}"), "w") as f:
         f.write("ok")
     os._exit(0)  # with a dead peer, tearing down the process group could wait for it
+
+
+def _count_one(store: SharedCacheStore) -> None:
+    store.get_or_compute("in-child", lambda: 1)
+    os._exit(0 if store.process_stats()["computed"] == 1 else 1)
+
+
+@skip_unless_store
+@skip_unless_fork
+class TestCounterSlots(unittest.TestCase):
+    """A store gives its counter slot up at close; a forked child counts even if another thread was counting."""
+
+    def setUp(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="test-fill-extended-")
+        self.addCleanup(shutil.rmtree, self.root, True)
+
+    def new_store(self, path: str | None = None) -> SharedCacheStore:
+        store = SharedCacheStore(path) if path else SharedCacheStore(root=self.root)
+        self.addCleanup(store.close)
+        return store
+
+    def test_close_gives_the_counter_slot_up_and_keeps_its_counts(self) -> None:
+        first = self.new_store()
+        second = self.new_store(first.path)
+        second.get_or_compute("k", lambda: 1)  # second counts: it holds a slot
+        (slot,) = os.listdir(os.path.join(first.path, ".counters"))
+        slot = os.path.join(first.path, ".counters", slot)
+        self.assertIsNone(locks.try_hold(slot))
+        second.close()
+        free = locks.try_hold(slot)
+        self.assertIsNotNone(free)
+        free.close()  # type: ignore[union-attr]
+        self.assertEqual(first.stats()["computed"], 1)
+
+    def test_counting_after_a_fork_while_another_thread_counts(self) -> None:
+        store = self.new_store()
+        store.get_or_compute("k", lambda: 1)
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with store._counters._lock:  # as another thread in the middle of counting
+                holding.set()
+                release.wait(TIMEOUT)
+
+        thread = threading.Thread(target=hold)
+        thread.start()
+        self.addCleanup(thread.join, TIMEOUT)
+        self.addCleanup(release.set)
+        self.assertTrue(holding.wait(TIMEOUT))
+        self.assertEqual(run_forked(_count_one, store, timeout=30), 0)
 
 
 @skip_if_quick
