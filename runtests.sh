@@ -154,6 +154,15 @@ if [ -n "$upstream" ]; then
     ensure_deps torch numpy pytest pytest_timeout parameterized nibabel
     layout
     [ -d "$upstream/tests/data" ] || { echo "no tests/data in $upstream: not a MONAI checkout" >&2; exit 2; }
+    # what MONAI's dataset tests import beyond ours (CSV, LMDB, ignite), as the checkout's requirements-dev.txt pins it;
+    # lmdb below 2: with lmdb 2 and later, pristine 1.6.1's LMDBDataset tests fail too ("already open in this process")
+    if ! $PY -c "import pandas, ignite, lmdb, sys; sys.exit(int(lmdb.__version__.split('.')[0]) >= 2)" 2>/dev/null; then
+        pins=$(grep -Ei '^(pandas|pytorch-ignite)([<>=!~ ;]|$)' "$upstream/requirements-dev.txt" | sed 's/[[:space:]]*#.*//')
+        pins="$pins lmdb<2"
+        echo "runtests.sh: installing what MONAI's dataset tests need:" $pins
+        # shellcheck disable=SC2086
+        $PY -m pip install -q --disable-pip-version-check $pins
+    fi
     scratch=$(mktemp -d) repo=$PWD
     trap 'rm -rf "$scratch"' EXIT
     cp -r "$upstream/tests" "$scratch/tests"  # a copy outside the repo: MONAI's tests are never committed here
