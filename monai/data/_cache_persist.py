@@ -1,0 +1,268 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+What keeps a :py:class:`monai.data.SharedCacheStore` across runs: ``SharedCacheStore(path, persistent=True)``.
+
+A job ends often (a crash, a pod restarted, a node preempted, every run of a sweep), and a store that goes with its
+last user makes every restart compute the whole cache again. A persistent store lives in a directory that the user
+names, marked by a ``.persistent`` file, which the cleaner of leftovers never removes. Its items outlive the runs, so
+four things must hold across them:
+
+- **never stale**: an item's key includes the version of the item format and the MONAI version (see
+  :py:func:`version_tag`), besides the content key and the transforms' fingerprint that ``CacheDataset`` gives;
+- **never torn**: items are published by an atomic rename after an ``fsync`` (in the store), so a run killed at any
+  moment, or a node that loses power, leaves only whole items and temporary files that the next run removes;
+- **bounded**: a *session* is a time during which someone uses the store: its first user (who takes ``.lock``
+  exclusively) starts one, by touching ``.session``. Reads set the access time of an item, so the items of earlier
+  sessions can be evicted least recently used first (:py:func:`evict`), while those of the current session never
+  are: epochs read every item in turn, and least-recently-used eviction would drop each one just before its next use;
+- **safe**: items are unpickled, so the directory and every file in it must be this user's, closed to others, and no
+  symbolic link (:py:func:`check_files`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import time
+from typing import Any
+
+from monai.data import _cache_budget as budget
+from monai.data import _cache_counters as counters
+from monai.data import _cache_format as fmt
+from monai.data import _cache_locks as locks
+
+try:
+    import fcntl
+except ImportError:  # Windows: SharedCacheStore is not available, nothing here is called
+    fcntl = None  # type: ignore[assignment]
+
+TMP = ".tmp"  # the store's temporary files
+LAYOUT = 1  # the version of the directory's layout, in the marker file
+_SESSION = ".session"  # its modification time is the start of the current session
+_EVICT = ".evict"  # held exclusively by the process that evicts
+_WAIT = 10.0  # seconds to wait for the short exclusive locks of another process
+_TOUCH_NS = 1_000_000_000  # an access time is renewed at most once a second
+
+
+def version_tag() -> str:
+    """What a persistent store adds to every key: the item format's version and the MONAI version."""
+    import monai  # imported by the time any store is used
+
+    return f"format{fmt.VERSION}-monai{monai.__version__}"
+
+
+def _refuse(path: str, name: str, problem: str) -> PermissionError:
+    what = "it" if name == path else f"{name!r} in it"
+    return PermissionError(
+        f"SharedCacheStore: refusing the persistent store {path!r}: {what} is {problem}. Its items are unpickled when "
+        "read, and unpickling data written by someone else can run arbitrary code. If you trust its content, make it "
+        "yours and closed to others (chown -R, chmod -R go-w, remove the link); else remove the directory or choose "
+        "another path."
+    )
+
+
+def check_files(path: str) -> None:
+    """
+    Refuse (``PermissionError``) a persistent directory that is a symbolic link, not this user's or open to others,
+    or in which a file is a symbolic link, not this user's, or writable by others.
+    """
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse(path, path, "a symbolic link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "SharedCacheStore: the path of a persistent store is a file", path)
+    if st.st_uid != os.getuid():
+        raise _refuse(path, path, f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
+    if st.st_mode & 0o077:
+        raise _refuse(path, path, f"of mode {oct(stat.S_IMODE(st.st_mode))}, open to other users (chmod 700 it)")
+    todo = [path]
+    for sub in todo:
+        try:
+            with os.scandir(sub) as it:
+                entries = [(e.path, e.stat(follow_symlinks=False)) for e in it]
+        except FileNotFoundError:
+            continue
+        for name, st in entries:
+            if stat.S_ISDIR(st.st_mode) and sub == path:
+                todo.append(name)  # .tmp and .counters
+            if stat.S_ISLNK(st.st_mode):
+                raise _refuse(path, name, "a symbolic link")
+            if st.st_uid != os.getuid():
+                raise _refuse(path, name, f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
+            if st.st_mode & 0o022:
+                raise _refuse(path, name, f"of mode {oct(stat.S_IMODE(st.st_mode))}, writable by others")
+
+
+def open_dir(path: str) -> None:
+    """
+    Make the persistent store ``path`` if missing (mode ``0o700``), check it and every file in it, and mark it.
+
+    Raises:
+        PermissionError: see :py:func:`check_files`.
+        ValueError: ``path`` is a directory that holds other files and no store, or a store of another layout.
+    """
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # whatever the umask
+    except FileExistsError:
+        pass
+    check_files(path)
+    marker = os.path.join(path, locks.PERSISTENT)
+    try:
+        with open(marker) as f:
+            layout = json.load(f).get("layout")
+    except FileNotFoundError:
+        other = sorted(n for n in os.listdir(path) if not n.startswith("."))  # a store's own files all are
+        if other:
+            raise ValueError(
+                f"SharedCacheStore: {path!r} is not empty and holds no persistent store (no {locks.PERSISTENT} file; "
+                f"it holds {other[:3]}): give the path of a new or empty directory, or of a persistent store."
+            ) from None
+        new = f"{marker}-{os.getpid()}"
+        with open(new, "w") as f:
+            json.dump({"layout": LAYOUT}, f)
+        os.replace(new, marker)  # the marker is whole or absent
+        layout = LAYOUT
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f"SharedCacheStore: cannot read {marker!r} ({err}); remove the directory {path!r}.") from err
+    if layout != LAYOUT:
+        raise ValueError(
+            f"SharedCacheStore: {path!r} is a persistent store of layout {layout!r}, and this version reads layout "
+            f"{LAYOUT}: clear it (remove the directory) or choose another path."
+        )
+    os.makedirs(os.path.join(path, TMP), 0o700, exist_ok=True)
+
+
+def _lock(fd: int, how: int, timeout: float) -> bool:
+    """Take ``flock(fd, how)``, polling up to ``timeout`` seconds; whether it was taken."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return True
+        except (BlockingIOError, PermissionError):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+
+
+def join(path: str) -> tuple[locks.Held, int]:
+    """
+    Participate in the persistent store ``path``: the lock held, and the start of the current session (in the file
+    system's clock, in ns). The first participant after none starts a session: it gives up the counts of the gone
+    processes of the last one, and touches ``.session``.
+    """
+    held = locks.Held(os.open(os.path.join(path, locks._LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    try:
+        session = os.path.join(path, _SESSION)
+        if _lock(held.fd, fcntl.LOCK_EX, 0.0):  # no one else uses the store: a new session
+            slots = os.path.join(path, counters._DIR)
+            for name in os.listdir(slots) if os.path.isdir(slots) else []:
+                slot = locks.try_hold(os.path.join(slots, name))
+                if slot is not None:  # not held by a live process, such as a last DataLoader worker
+                    locks.unlink_quiet(os.path.join(slots, name))
+                    slot.close()
+            with open(session, "w") as f:
+                f.write(str(os.getpid()))
+        if not _lock(held.fd, fcntl.LOCK_SH, _WAIT):
+            raise OSError(errno.EAGAIN, "another process holds the store's lock exclusively", path)
+        try:
+            start = os.stat(session).st_mtime_ns
+        except FileNotFoundError:  # its first user was killed before making it
+            with open(session, "w") as f:
+                f.write(str(os.getpid()))
+            start = os.stat(session).st_mtime_ns
+    except BaseException:
+        held.close()
+        raise
+    return held, start
+
+
+def session_start(path: str) -> int:
+    """The start of the current session of the store ``path`` (for a process that does not participate)."""
+    try:
+        return os.stat(os.path.join(path, _SESSION)).st_mtime_ns
+    except OSError:
+        return time.time_ns()
+
+
+def touch(path: str, ino: int, start: int) -> None:
+    """Record a use of the item file ``path`` (of inode ``ino``) in the session of ``start``: its access time."""
+    try:
+        st = os.stat(path)
+        now = time.time_ns()
+        if st.st_ino == ino and (st.st_atime_ns < start or now - st.st_atime_ns > _TOUCH_NS):  # once a second at most
+            os.utime(path, ns=(now, st.st_mtime_ns))  # the modification time tells when it was written
+    except OSError:
+        pass
+
+
+def _items(path: str) -> list[tuple[int, int, int, str]]:
+    """``(atime, mtime, size, path)`` of every item file of the store ``path``."""
+    found = []
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                if e.name.endswith(".item"):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    found.append((st.st_atime_ns, st.st_mtime_ns, st.st_size, e.path))
+    except OSError:
+        pass
+    return found
+
+
+def scan(path: str, start: int) -> dict[str, int]:
+    """The items and bytes of the store ``path``, and how many items written before ``start`` were used since."""
+    items = _items(path)
+    reused = sum(1 for atime, mtime, _, _ in items if mtime < start <= atime)
+    return {"filled": len(items), "nbytes": sum(size for _, _, size, _ in items), "reused": reused}
+
+
+def evict(path: str, start: int, nbytes: int, budget_: Any) -> int:
+    """
+    Remove the least recently used items of earlier sessions until an item of ``nbytes`` fits ``budget_`` (its
+    ``max_bytes`` and the reserve on the store's file system); the bytes removed. Items used since ``start`` stay.
+    """
+    held = locks.Held(os.open(os.path.join(path, _EVICT), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    try:
+        if not _lock(held.fd, fcntl.LOCK_EX, _WAIT):  # another process evicts for as long: let it
+            return 0
+        items = _items(path)
+        excess = 0
+        if budget_.max_bytes is not None:
+            excess = sum(size for _, _, size, _ in items) + nbytes - budget_.max_bytes
+        try:
+            st = os.statvfs(path)
+            free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+            reserve = budget.default_reserve(total) if budget_.reserve is None else budget_.reserve
+            excess = max(excess, reserve - (free - nbytes))
+        except (OSError, AttributeError):
+            pass
+        removed = 0
+        for _, _, size, item in sorted(i for i in items if i[0] < start):  # least recently used first
+            if removed >= excess:
+                break
+            try:
+                os.unlink(item)
+                removed += size
+            except OSError:
+                pass
+        return removed
+    finally:
+        held.close()

@@ -1,0 +1,268 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+import time
+import unittest
+import warnings
+from unittest import mock
+
+import numpy as np
+import torch
+from parameterized import parameterized
+
+from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
+from monai.data import _cache_persist as persist
+from monai.transforms import Compose, RandomizableTransform, Transform
+from tests.test_utils import DistCall, DistTestCase, skip_if_quick
+
+needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
+N = 6
+TIMEOUT = 120  # seconds for any wait on another process
+
+
+class Load(Transform):
+    """Deterministic, with a parameter: logs ``<i>`` at each computation (one O_APPEND write, atomic across processes)."""
+
+    def __init__(self, log: str, scale: float = 1.0) -> None:
+        self.log, self.scale = log, scale
+
+    def __call__(self, i: int) -> dict:
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{i}\n".encode())
+        finally:
+            os.close(fd)
+        return {"i": i, "img": torch.full((2, 3), i * self.scale)}
+
+
+class AddOne(RandomizableTransform):
+    def __call__(self, d: dict) -> dict:
+        d["img"] += 1  # in place: the cached item must not change
+        return d
+
+
+def _computed(log: str) -> list[int]:
+    try:
+        with open(log) as f:
+            return sorted(int(line) for line in f)
+    except FileNotFoundError:
+        return []
+
+
+@needs_store
+class TestPersistentStore(DistTestCase):
+    def setUp(self) -> None:
+        self.tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.path = os.path.join(self.tmp, "node", "cache")  # its parent is missing too
+        self.log = os.path.join(self.tmp, "log")
+
+    def open(self, path: str | None = None, **kwargs) -> SharedCacheStore:
+        store = SharedCacheStore(path or self.path, persistent=True, **kwargs)
+        self.addCleanup(store.close)
+        return store
+
+    def run_dataset(self, scale: float = 1.0, num_workers: int = 0, log: str | None = None) -> dict:
+        """One run: a new store object (the first user, so a new session), a dataset, an epoch; its cache stats."""
+        store = SharedCacheStore(self.path, persistent=True)
+        try:
+            ds = CacheDataset(list(range(N)), Compose([Load(log or self.log, scale), AddOne()]), runtime_cache=store)
+            for batch in DataLoader(ds, batch_size=1, num_workers=num_workers):
+                i = int(batch["i"])
+                torch.testing.assert_close(batch["img"], torch.full((1, 2, 3), i * scale + 1))
+            return ds.cache_stats()["cache"]
+        finally:
+            store.close()
+
+    def test_kept_across_runs(self):
+        store = self.open()
+        self.assertTrue(store.persistent)
+        self.assertEqual(stat.S_IMODE(os.stat(self.path).st_mode), 0o700)
+        self.assertTrue(store.put("a", np.arange(100_000)))
+        store.close()
+        self.assertTrue(os.path.isdir(self.path))  # kept by its last user
+        again = self.open()
+        self.assertEqual(again.stats()["reused"], 0)
+        np.testing.assert_array_equal(again.get_or_compute("a", self.fail), np.arange(100_000))
+        stats = again.stats()
+        self.assertEqual((stats["filled"], stats["reused"], stats["hits"], stats["computed"]), (1, 1, 1, 0))
+        joined = SharedCacheStore(self.path)  # a store made persistent is joined as such
+        self.assertTrue(joined.persistent)
+        self.assertEqual(joined.get("a")[7], 7)
+        joined.close()
+        again.close()
+        self.assertTrue(os.path.isdir(self.path))
+
+    @parameterized.expand([(0,), (2,)])
+    def test_two_runs_of_a_dataset(self, num_workers):
+        first = self.run_dataset(num_workers=num_workers)
+        self.assertEqual(_computed(self.log), list(range(N)))
+        self.assertEqual((first["computed"], first["reused"]), (N, 0))
+        second = self.run_dataset(num_workers=num_workers)
+        self.assertEqual(_computed(self.log), list(range(N)))  # nothing computed again
+        self.assertEqual((second["computed"], second["reused"], second["filled"]), (0, N, N))
+
+    def test_changed_transforms_recompute(self):
+        self.run_dataset(scale=1.0)
+        other = self.run_dataset(scale=2.0)  # a changed parameter: every item again, never an old one
+        self.assertEqual(_computed(self.log), sorted(2 * list(range(N))))
+        self.assertEqual((other["computed"], other["reused"], other["filled"]), (N, 0, 2 * N))
+        back = self.run_dataset(scale=1.0)  # the first parameters' items stayed
+        self.assertEqual(_computed(self.log), sorted(2 * list(range(N))))
+        self.assertEqual((back["computed"], back["reused"]), (0, N))
+
+    def test_other_versions_are_not_served(self):
+        store = self.open()
+        store.put("a", 1)
+        store.close()
+        with mock.patch.object(persist, "version_tag", return_value="format1-monai0.0.0"):
+            older = self.open()
+            self.assertIsNone(older.get("a"))  # another MONAI release: a miss
+            older.put("a", 2)
+            older.close()
+        store = self.open()
+        self.assertEqual((store.get("a"), store.stats()["filled"]), (1, 2))  # both stayed, each for its version
+
+    def test_max_bytes_evicts_earlier_runs_least_recently_used_first(self):
+        item = np.zeros(25_000)  # 200 kB
+        store = self.open()
+        for k in ("k0", "k1", "k2", "k3"):
+            store.put(k, item)
+        nbytes = store.stats()["nbytes"] // 4
+        store.close()
+        for age, k in enumerate(("k3", "k2", "k1", "k0")):  # k0 used last, long ago; k3 first
+            path = SharedCacheStore._stem(k + "|" + persist.version_tag()) + ".item"
+            when = time.time_ns() - (age + 10) * 10**9
+            os.utime(os.path.join(self.path, path), ns=(when, when))
+        store = self.open(max_bytes=4 * nbytes + 1000, reserve=0)
+        self.assertIsNotNone(store.get("k2"))  # used by this run: never evicted for it
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k in ("n0", "n1", "n2", "n3"):
+                store.put(k, item)
+        kept = {k for k in ("k0", "k1", "k2", "k3", "n0", "n1", "n2", "n3") if store.get(k) is not None}
+        self.assertEqual(kept, {"k2", "n0", "n1", "n2"})  # k3, k1, k0 went in that order; then n3 was refused
+        self.assertIn("max_bytes", " ".join(str(w.message) for w in caught))
+
+    def test_clear(self):
+        store = self.open()
+        for k in range(3):
+            store.put(str(k), k)
+        store.clear()
+        self.assertEqual((store.stats()["filled"], store.get("1")), (0, None))
+        self.assertTrue(store.put("1", 1))
+
+    def test_reserve_is_kept_on_its_own_file_system(self):
+        store = self.open(reserve=0)
+        st = os.statvfs(self.path)
+        store.close()
+        store = self.open(reserve=st.f_bavail * st.f_frsize + 2**30)  # more than its file system has free
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertFalse(store.put("a", 1))
+        self.assertIn(f"free of {st.f_blocks * st.f_frsize / 2**20:.0f} MiB", str(caught[-1].message))
+
+    def test_killed_run_leaves_nothing_to_misread(self):
+        store = self.open()
+        store.put("whole", np.arange(50_000))
+        store.put("torn", np.arange(50_000))
+        store.close()
+        torn = os.path.join(self.path, SharedCacheStore._stem("torn|" + persist.version_tag()) + ".item")
+        os.truncate(torn, os.path.getsize(torn) // 2)  # what no writer publishes: a half file
+        dead = os.path.join(self.path, ".tmp", "killed-writer")
+        with open(dead, "wb") as f:
+            f.write(b"half an item")
+        os.utime(dead, (time.time() - 60, time.time() - 60))
+        store = self.open()
+        self.assertFalse(os.path.exists(dead))  # the temporary file of a dead writer
+        np.testing.assert_array_equal(store.get("whole"), np.arange(50_000))
+        self.assertIsNone(store.get("torn"))  # a miss, and removed
+        self.assertFalse(os.path.exists(torn))
+
+    def test_leftover_cleaner_keeps_persistent_stores(self):
+        kept = self.open(os.path.join(self.tmp, "monai-cache-kept"))
+        kept.put("a", 1)
+        kept.close()
+        new = SharedCacheStore(root=self.tmp)  # a new temporary store cleans the leftovers of its root
+        new.close()
+        self.assertEqual(self.open(kept.path).get("a"), 1)
+
+    @parameterized.expand([("directory", "", 0o777), ("directory", "", 0o750), ("item", ".item", 0o666)])
+    def test_refuses_what_others_could_write(self, _, which, mode):
+        store = self.open()
+        store.put("a", 1)
+        store.close()
+        names = [n for n in os.listdir(self.path) if n.endswith(which)] if which else []
+        os.chmod(os.path.join(self.path, *names), mode)
+        with self.assertRaises(PermissionError) as err:
+            SharedCacheStore(self.path, persistent=True)
+        self.assertIn("unpickled", str(err.exception))
+        self.assertIn(oct(mode), str(err.exception))
+        os.chmod(os.path.join(self.path, *names), 0o700 if not which else 0o644)  # readable by others is fine
+        self.assertEqual(self.open().get("a"), 1)
+
+    def test_refuses_symbolic_links(self):
+        store = self.open()
+        store.close()
+        link = os.path.join(self.tmp, "link")
+        os.symlink(self.path, link)
+        with self.assertRaisesRegex(PermissionError, "symbolic link"):
+            SharedCacheStore(link, persistent=True)
+        os.symlink(os.path.join(self.tmp, "log"), os.path.join(self.path, "x.item"))
+        with self.assertRaisesRegex(PermissionError, "x.item.*symbolic link"):
+            SharedCacheStore(self.path, persistent=True)
+
+    def test_bad_arguments(self):
+        with self.assertRaisesRegex(ValueError, "needs path"):
+            SharedCacheStore(persistent=True)
+        with self.assertRaisesRegex(ValueError, "no root"):
+            SharedCacheStore(self.path, root=self.tmp, persistent=True)
+        with self.assertRaisesRegex(ValueError, "goes with persistent=True"):
+            create_shared_cache(path=self.path)
+        with self.assertRaisesRegex(ValueError, "goes with persistent=True"):
+            create_shared_cache(persistent=True)
+        os.makedirs(self.path, 0o700)
+        open(os.path.join(self.path, "notes.txt"), "w").close()
+        with self.assertRaisesRegex(ValueError, "not empty and holds no persistent store"):
+            SharedCacheStore(self.path, persistent=True)
+
+    def test_create_shared_cache_without_distributed(self):
+        store = create_shared_cache(path=self.path, persistent=True)
+        self.addCleanup(store.close)
+        self.assertEqual((store.path, store.persistent), (self.path, True))
+
+    @DistCall(nproc_per_node=2, timeout=TIMEOUT)
+    def run_ranks(self, log: str) -> None:
+        store = create_shared_cache(path=self.path, persistent=True)
+        try:
+            ds = CacheDataset(list(range(N)), Compose([Load(log), AddOne()]), runtime_cache=store)
+            ds.fill()
+            for i in range(N):
+                torch.testing.assert_close(ds[i]["img"], torch.full((2, 3), i + 1.0))
+        finally:
+            store.close()
+
+    @skip_if_quick
+    def test_two_runs_of_two_ranks(self):
+        self.run_ranks(self.log)
+        self.assertEqual(_computed(self.log), list(range(N)))  # once per node
+        self.run_ranks(self.log)  # the same transforms (the log's path is one of their parameters)
+        self.assertEqual(_computed(self.log), list(range(N)))  # the second run computes nothing
+
+
+if __name__ == "__main__":
+    unittest.main()
