@@ -54,7 +54,7 @@ from bench_report import write
 from bench_run import log, prepare_trees, run_job_main, run_subprocess, tree_version
 from bench_summary import summarize
 
-SECTIONS = ("hits", "epochs", "small", "ddp")
+SECTIONS = ("hits", "epochs", "small", "ddp", "persistent")
 _prepare_trees = prepare_trees  # the name bench_ddp.py imports from here
 
 
@@ -94,29 +94,41 @@ def _default_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _ddp(args: argparse.Namespace, out_dir: Path, trees: dict[str, Path] | None) -> tuple[Any, list[str]]:
-    """The ddp section, by ``benchmarks/bench_ddp.py`` if it exists: (its result, its report lines)."""
-    if importlib.util.find_spec("bench_ddp") is None:
-        print("ddp section: not available", file=sys.stderr)
-        return None, ["ddp section: not available (no benchmarks/bench_ddp.py)"]
-    log("start ddp section (bench_ddp.py)")
+def _module_section(
+    section: str, module: str, args: argparse.Namespace, out_dir: Path, trees: dict[str, Path] | None
+) -> tuple[Any, list[str]]:
+    """A section implemented by ``benchmarks/<module>.py``, if it exists: (its result, its report lines)."""
+    if importlib.util.find_spec(module) is None:
+        print(f"{section} section: not available", file=sys.stderr)
+        return None, [f"{section} section: not available (no benchmarks/{module}.py)"]
+    log(f"start {section} section ({module}.py)")
     try:
-        import bench_ddp
-
-        result = bench_ddp.run_section(args, out_dir, trees)
+        mod = importlib.import_module(module)
+        result = mod.run_section(args, out_dir, trees)
     except Exception:
         result = {"error": traceback.format_exc()}
+        mod = sys.modules.get(module)
     try:
-        lines = list(bench_ddp.report_lines(result))
+        lines = list(mod.report_lines(result)) if mod is not None else [f"{section} section: {result['error']}"]
     except Exception as err:
-        lines = [f"ddp section: no report ({type(err).__name__}: {err})"]
-    log("done  ddp section")
+        lines = [f"{section} section: no report ({type(err).__name__}: {err})"]
+    log(f"done  {section} section")
     return result, lines
+
+
+def _ddp(args: argparse.Namespace, out_dir: Path, trees: dict[str, Path] | None) -> tuple[Any, list[str]]:
+    """The ddp section, by ``benchmarks/bench_ddp.py`` if it exists: (its result, its report lines)."""
+    return _module_section("ddp", "bench_ddp", args, out_dir, trees)
+
+
+def _persistent(args: argparse.Namespace, out_dir: Path, trees: dict[str, Path] | None) -> tuple[Any, list[str]]:
+    """The persistent section, by ``benchmarks/bench_persistent.py``: (its result, its report lines)."""
+    return _module_section("persistent", "bench_persistent", args, out_dir, trees)
 
 
 def _fork_version(raw: dict[str, Any]) -> str:
     """``monai.__version__`` of the fork's tree: as a fork job imported it, else read from the tree."""
-    for key in ("micro_fork", "micro_portable", "epoch_store", "small"):
+    for key in ("micro_fork", "micro_portable", "epoch_store", "small", "persistent"):
         result = raw.get(key)
         version = result.get("info", {}).get("monai_version") if isinstance(result, dict) else None
         if version:
@@ -126,11 +138,11 @@ def _fork_version(raw: dict[str, Any]) -> str:
 
 def _run(args: argparse.Namespace, cfg: dict[str, Any], out_dir: Path) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """Run the chosen sections: the raw results, and the report lines of the other sections (title: lines)."""
-    upstream = None
+    upstream, refreshed = None, False
     if {"hits", "epochs", "small"} & set(cfg["sections"]):  # the fork's tree; the upstream tree for hits and epochs
         prepare = argparse.Namespace(**vars(args))
         prepare.skip_upstream = args.skip_upstream or not {"hits", "epochs"} & set(cfg["sections"])
-        upstream = prepare_trees(prepare, out_dir)
+        upstream, refreshed = prepare_trees(prepare, out_dir), True
     raw: dict[str, Any] = {}
     extra: dict[str, list[str]] = {}
     if "hits" in cfg["sections"]:
@@ -165,6 +177,12 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any], out_dir: Path) -> tuple[
         if result is not None:
             raw["ddp"] = result
         extra["DDP (bench_ddp.py)"] = lines
+    if "persistent" in cfg["sections"]:
+        # the fork's tree only; refreshed by the section itself unless an earlier section did
+        result, lines = _persistent(args, out_dir, {"fork": FORK_TREE} if refreshed else None)
+        if result is not None:
+            raw["persistent"] = result
+        extra["Persistent store (bench_persistent.py)"] = lines  # bench_persistent.TITLE
     return raw, extra
 
 
@@ -174,7 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--small", action="store_true", help="items of 4x96x96x64 (crop 48^3) for a quick run")
     parser.add_argument(
-        "--sections", default=",".join(SECTIONS), help=f"sections to run (default {','.join(SECTIONS)})"
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"sections to run, among {','.join(SECTIONS)} (default: all; persistent: bench_persistent.py)",
     )
     parser.add_argument(
         "--runs", type=int, default=1, help="runs of the hits section (each: the store with and without its fast path)"
@@ -234,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     if plot_error:
         print(plot_error, file=sys.stderr)
     shutil.rmtree(out_dir / "jobs", ignore_errors=True)
-    ddp_checks = raw.get("ddp", {}).get("checks", []) if isinstance(raw.get("ddp"), dict) else []
-    failed = [c for c in [*summary["checks"], *ddp_checks] if isinstance(c, dict) and c.get("status") == "FAIL"]
+    section_checks = [
+        c for key in ("ddp", "persistent") if isinstance(raw.get(key), dict) for c in raw[key].get("checks", [])
+    ]
+    failed = [c for c in [*summary["checks"], *section_checks] if isinstance(c, dict) and c.get("status") == "FAIL"]
     return 1 if args.strict and failed else 0
 
 

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import bench_persistent
 import bench_rows
 from bench_common import ALL_PATHS, MIB, expected_nbytes
 from bench_machine import hugepage_lines
@@ -309,6 +310,8 @@ def write(
             md.append(md_table(head1, rows1))
         elif title == "DataLoader epochs and memory":
             md.append(md_table(head2, rows2))
+        elif title == bench_persistent.TITLE and isinstance(raw.get("persistent"), dict):
+            md += bench_persistent.markdown_lines(raw["persistent"])
         else:
             md += [f"    {line}" for line in lines]
     md += ["", "## Targets", "", *[f"- **{c['status']}** {c['line'][6:]}" for c in summary["checks"]]]

@@ -72,6 +72,8 @@ def rows(summary: dict[str, Any], raw: dict[str, Any], cfg: dict[str, Any]) -> d
         out["small_items"] = _small_row(raw, cfg, checks.get("small_flat"))
     if "ddp" in sections:
         out.update(_ddp_rows(raw.get("ddp")))
+    if "persistent" in sections:
+        out.update(_persist_rows(raw.get("persistent")))
     return out
 
 
@@ -191,4 +193,93 @@ def _ddp_rows(ddp: Any) -> dict[str, Row]:
         value, limit = _number(check.get("value")), _number(check.get("limit"))
         target = f"<= {limit:g}x" if limit is not None else None
         out[rid] = _row(label, None if value is None else f"{value:.2f}x", target, check)
+    return out
+
+
+def _persist_rows(result: Any) -> dict[str, Row]:
+    """The persistent section (``bench_persistent.py``): restart, reads, fill and the dataset over the budget."""
+    result = result if isinstance(result, dict) else {}
+    summary = result.get("summary", {})
+    c = summary.get("contenders", {})
+    disk, pd, lmdb, shm = (c.get(k, {}) for k in ("store_disk", "persistentdataset", "lmdb", "store_shm"))
+    checks = {k["name"]: k for k in result.get("checks", []) if isinstance(k, dict)}
+    n = result.get("config", {}).get("n")
+    store = "persistent store on the local disk"
+
+    def others(key: str, fmt: str) -> str:
+        parts = []
+        for name, label in (("persistentdataset", "PersistentDataset"), ("lmdb", "LMDBDataset"), ("store_shm", "shm")):
+            value = c.get(name, {}).get(key)
+            parts.append(f"{label} {'n/a' if value is None else fmt.format(value)}")
+        return "; ".join(parts)
+
+    computed = first = read_pd = read_lmdb = fill = over = None
+    if disk.get("restart_computed") is not None:
+        computed = f"{disk['restart_computed']} for {n} items ({others('restart_computed', '{}')})"
+    if disk.get("restart_ratio") is not None:
+        first = (
+            f"{disk['restart_ratio']:.3f}x ({disk['restart_first_batch_s'] * 1e3:.0f} ms vs "
+            f"{disk['first_batch_s'] * 1e3:.0f} ms; {others('restart_ratio', '{:.3f}x')})"
+        )
+    if disk.get("read_s") and pd.get("read_s"):
+        read_pd = (
+            f"{pd['read_s'] / disk['read_s']:.1f}x faster ({disk['read_s'] * 1e3:.2f} vs {pd['read_s'] * 1e3:.1f} ms)"
+        )
+    if disk.get("read_s") and lmdb.get("read_s"):
+        read_lmdb = f"{lmdb['read_s'] / disk['read_s']:.1f}x faster ({disk['read_s'] * 1e3:.2f} vs {lmdb['read_s'] * 1e3:.1f} ms)"
+    if disk.get("fill_s") and pd.get("fill_s"):
+        fill = f"{disk['fill_s'] / pd['fill_s']:.2f}x ({disk['fill_s']:.2f} s vs {pd['fill_s']:.2f} s for {n} items)"
+    budget = summary.get("budget", {})
+    b_disk, b_shm = budget.get("store_disk", {}), budget.get("budget_shm", {})
+    if b_disk.get("epochs") and b_shm.get("epochs"):
+
+        def per_epoch(b: dict[str, Any]) -> str:
+            return "/".join(str(e["computed"]) for e in b["epochs"])
+
+        def secs(b: dict[str, Any]) -> str:
+            return "/".join(f"{e['s']:.2f}" for e in b["epochs"])
+
+        over = (
+            f"{per_epoch(b_disk)} vs {per_epoch(b_shm)} per epoch for {n} items "
+            f"(epochs {secs(b_disk)} s vs {secs(b_shm)} s)"
+        )
+    out = {}
+    for rid, name, label, value in (
+        ("persist.restart_computed", "restart_computed", f"{store}: computations on restart (a new process)", computed),
+        (
+            "persist.restart_first_batch",
+            "restart_first_batch",
+            f"{store}: restart time to first batch / the first run's",
+            first,
+        ),
+        (
+            "persist.read_vs_persistentdataset",
+            "read_vs_persistentdataset",
+            f"{store}: warm read + crop + copy, speed-up vs PersistentDataset",
+            read_pd,
+        ),
+    ):
+        check = checks.get(name, {})
+        limit = _number(check.get("limit"))
+        target = None
+        if limit is not None:
+            target = "== 0" if name == "restart_computed" else f"{'<=' if name == 'restart_first_batch' else '>='} "
+            target += "" if name == "restart_computed" else f"{limit:g}x"
+        out[rid] = _row(label, value, target, check)
+    out["persist.read_vs_lmdb"] = _row(f"{store}: warm read + crop + copy, speed-up vs LMDBDataset", read_lmdb)
+    out["persist.read_vs_floor"] = _row(
+        f"{store}: warm read + crop + copy / private no-copy floor",
+        None if disk.get("read_x_floor") is None else f"{disk['read_x_floor']:.2f}x the floor",
+    )
+    out["persist.fill"] = _row(f"first run's fill (compute + store every item), {store} / PersistentDataset", fill)
+    out["persist.over_budget"] = _row(
+        "dataset twice the memory budget: computations per warm epoch (restart), disk store vs /dev/shm store "
+        "with max_bytes = half",
+        over,
+    )
+    if shm.get("restart_computed") is not None and "read_s" in shm:
+        out["persist.shm_read_vs_floor"] = _row(
+            "persistent store on /dev/shm: warm read + crop + copy / private no-copy floor",
+            f"{shm['read_x_floor']:.2f}x the floor",
+        )
     return out

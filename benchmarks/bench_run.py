@@ -35,6 +35,7 @@ from typing import Any
 from bench_common import BUILD_SCRIPT, FAST_PATH_ENV, REPO
 from bench_epochs import job_epoch
 from bench_hits import job_micro_fork, job_micro_upstream
+from bench_persistent import job_persist
 from bench_small import job_small
 
 SCRIPT = Path(__file__).resolve().with_name("bench_cache.py")
@@ -44,6 +45,7 @@ JOBS: dict[str, Callable[[dict], dict[str, Any]]] = {
     "micro_upstream": job_micro_upstream,
     "epoch": job_epoch,
     "small": job_small,
+    "persist": job_persist,
 }
 
 

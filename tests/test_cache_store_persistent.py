@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
+from monai.data import CacheDataset, DataLoader, SharedCacheStore
 from monai.data import _cache_persist as persist
+from monai.data import create_shared_cache
 from monai.transforms import Compose, RandomizableTransform, Transform
 from tests.test_utils import DistCall, DistTestCase, skip_if_quick
 
@@ -146,8 +147,8 @@ class TestPersistentStore(DistTestCase):
         store.close()
         for age, k in enumerate(("k3", "k2", "k1", "k0")):  # k0 used last, long ago; k3 first
             path = SharedCacheStore._stem(k + "|" + persist.version_tag()) + ".item"
-            when = time.time_ns() - (age + 10) * 10**9
-            os.utime(os.path.join(self.path, path), ns=(when, when))
+            when = time.time_ns() - (age + 10) * 10**9  # written before it was last used: relatime leaves it
+            os.utime(os.path.join(self.path, path), ns=(when, when - 10**9))
         store = self.open(max_bytes=4 * nbytes + 1000, reserve=0)
         self.assertIsNotNone(store.get("k2"))  # used by this run: never evicted for it
         with warnings.catch_warnings(record=True) as caught:

@@ -72,36 +72,45 @@ def _refuse(path: str, name: str, problem: str) -> PermissionError:
     )
 
 
+def _problem(st: os.stat_result, others: int) -> str | None:
+    """What is wrong with a file of status ``st`` in a persistent store, if anything; ``others``: the mode bits
+    that others must not have."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & others:
+        return (
+            f"of mode {oct(stat.S_IMODE(st.st_mode))}, " + ("open to" if others == 0o077 else "writable by") + " others"
+        )
+    return None
+
+
 def check_files(path: str) -> None:
     """
     Refuse (``PermissionError``) a persistent directory that is a symbolic link, not this user's or open to others,
     or in which a file is a symbolic link, not this user's, or writable by others.
     """
     st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise _refuse(path, path, "a symbolic link")
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "SharedCacheStore: the path of a persistent store is a file", path)
-    if st.st_uid != os.getuid():
-        raise _refuse(path, path, f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
-    if st.st_mode & 0o077:
-        raise _refuse(path, path, f"of mode {oct(stat.S_IMODE(st.st_mode))}, open to other users (chmod 700 it)")
-    todo = [path]
-    for sub in todo:
+    if not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+        raise NotADirectoryError(
+            errno.ENOTDIR, "SharedCacheStore: the path of a persistent store is not a directory", path
+        )
+    problem = _problem(st, 0o077)
+    if problem:
+        raise _refuse(path, path, problem)
+    with os.scandir(path) as it:
+        entries = [(e.path, e.stat(follow_symlinks=False)) for e in it]
+    for sub in [name for name, st in entries if stat.S_ISDIR(st.st_mode)]:  # .tmp and .counters
         try:
             with os.scandir(sub) as it:
-                entries = [(e.path, e.stat(follow_symlinks=False)) for e in it]
+                entries += [(e.path, e.stat(follow_symlinks=False)) for e in it]
         except FileNotFoundError:
-            continue
-        for name, st in entries:
-            if stat.S_ISDIR(st.st_mode) and sub == path:
-                todo.append(name)  # .tmp and .counters
-            if stat.S_ISLNK(st.st_mode):
-                raise _refuse(path, name, "a symbolic link")
-            if st.st_uid != os.getuid():
-                raise _refuse(path, name, f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
-            if st.st_mode & 0o022:
-                raise _refuse(path, name, f"of mode {oct(stat.S_IMODE(st.st_mode))}, writable by others")
+            pass
+    for name, st in entries:
+        problem = _problem(st, 0o022)
+        if problem:
+            raise _refuse(path, name, problem)
 
 
 def open_dir(path: str) -> None:

@@ -1,0 +1,179 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+PR 10's persistent store across real runs: the same script run again as a new process (DataLoader workers, a
+killed fill, a writer killed mid-write), two runs at once in separate PID namespaces, one directory given to two
+nodes, and a file of another user (root here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import unittest
+from collections import Counter
+
+import torch
+from fork_utils import ENV, TIMEOUT, _unshare_works, backdate, item_files, run_ranks, skip_unless_store, wait_for
+
+from monai.data import SharedCacheStore, create_shared_cache
+
+N = 12
+
+# one run of a training script: its cache stats and how many items it served wrong, as one line of JSON
+SCRIPT = """
+import json, os, sys, time
+import torch
+from monai.data import CacheDataset, DataLoader, SharedCacheStore
+from monai.transforms import Compose, RandomizableTransform, Transform
+
+
+class Load(Transform):
+    def __init__(self, scale, size):
+        self.scale, self.size = scale, size
+
+    def __call__(self, i):
+        time.sleep(float(os.environ.get("DELAY", "0")))
+        fd = os.open(os.environ["LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.write(fd, f"{i}\\n".encode())
+        os.close(fd)
+        return {"i": i, "img": torch.full((self.size,), i * self.scale)}
+
+
+class AddOne(RandomizableTransform):
+    def __call__(self, d):
+        d["img"] += 1
+        return d
+
+
+if __name__ == "__main__":
+    path, scale, size, mode = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    store = SharedCacheStore(path, persistent=True)
+    t = Compose([Load(scale, size), AddOne()])
+    ds = CacheDataset(list(range(int(os.environ["N"]))), t, runtime_cache=store, num_workers=1, progress=False)
+    if mode == "fill":
+        ds.fill()
+    bad = 0
+    for b in DataLoader(ds, batch_size=1, num_workers=2):
+        bad += not torch.equal(b["img"], torch.full((1, size), int(b["i"]) * scale + 1))
+    print(json.dumps({**ds.cache_stats()["cache"], "bad": bad}), flush=True)
+"""
+
+
+def _two_nodes_one_directory(rank: int, init: str, path: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        create_shared_cache(path=path, persistent=True, node_id=f"node{rank}")  # two "nodes", one directory
+    except RuntimeError as err:
+        assert "shared with the node of rank" in str(err), err
+    else:
+        raise AssertionError("two nodes were given one persistent directory, and no rank failed")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@skip_unless_store
+class TestPersistentRuns(unittest.TestCase):
+    def setUp(self) -> None:
+        self.tmp = tempfile.mkdtemp()  # on the disk here: fsync, page cache
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.path = os.path.join(self.tmp, "cache")
+        self.log = os.path.join(self.tmp, "log")
+        self.script = os.path.join(self.tmp, "train.py")
+        with open(self.script, "w") as f:
+            f.write(SCRIPT)
+
+    def start(self, scale: float = 1.0, size: int = 1000, mode: str = "lazy", delay: float = 0.0, prefix=()):
+        env = {**ENV, "LOG": self.log, "N": str(N), "DELAY": str(delay)}
+        cmd = [*prefix, sys.executable, self.script, self.path, str(scale), str(size), mode]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(TIMEOUT)))
+        return proc
+
+    def finish(self, proc: subprocess.Popen) -> dict:
+        out, err = proc.communicate(timeout=4 * TIMEOUT)
+        self.assertEqual(proc.returncode, 0, err)
+        return json.loads(out.strip().splitlines()[-1])
+
+    def run_script(self, **kwargs) -> dict:
+        return self.finish(self.start(**kwargs))
+
+    def computed(self) -> Counter:
+        with open(self.log) as f:
+            return Counter(int(line) for line in f)
+
+    def test_second_run_computes_nothing_and_serves_every_item_right(self):
+        first = self.run_script()
+        self.assertEqual((first["computed"], first["bad"], first["filled"]), (N, 0, N))
+        second = self.run_script()
+        self.assertEqual((second["computed"], second["reused"], second["hits"], second["bad"]), (0, N, N, 0))
+        self.assertEqual(self.computed(), Counter(range(N)))
+        changed = self.run_script(scale=3.0)  # another parameter: every item again, never an old one
+        self.assertEqual((changed["computed"], changed["reused"], changed["bad"]), (N, 0, 0))
+        back = self.run_script()
+        self.assertEqual((back["computed"], back["reused"], back["bad"]), (0, N, 0))
+        self.assertEqual(self.computed(), Counter(dict.fromkeys(range(N), 2)))
+
+    def test_run_killed_mid_fill(self):
+        proc = self.start(mode="fill", delay=0.3)
+        wait_for(lambda: os.path.isdir(self.path) and len(item_files(self.path)) >= 4)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(TIMEOUT)
+        done = len(item_files(self.path))
+        self.assertLess(done, N)
+        again = self.run_script(mode="fill")
+        self.assertEqual((again["computed"], again["reused"], again["bad"], again["filled"]), (N - done, done, 0, N))
+
+    def test_writer_killed_mid_write(self):
+        tmp = os.path.join(self.path, ".tmp")
+        proc = self.start(mode="fill", size=16_000_000)  # 64 MB items, written and fsynced to the disk
+        wait_for(lambda: os.path.isdir(tmp) and any(os.path.getsize(e.path) for e in os.scandir(tmp)))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(TIMEOUT)
+        for entry in os.scandir(tmp):  # the killed writer's temporary file: old enough to be removed
+            backdate(entry.path)
+        again = self.run_script(mode="fill", size=16_000_000)
+        self.assertEqual((again["bad"], again["filled"]), (0, N))
+        self.assertEqual(os.listdir(tmp), [])
+
+    @unittest.skipUnless(_unshare_works(), "cannot start a process in a new PID namespace here (unshare --pid)")
+    def test_two_runs_at_once_in_separate_pid_namespaces(self):
+        ns = ("unshare", "--pid", "--fork", "--kill-child")
+        procs = [self.start(mode="fill", delay=0.1, prefix=ns) for _ in range(2)]
+        results = [self.finish(p) for p in procs]
+        self.assertEqual([r["bad"] for r in results], [0, 0])
+        self.assertEqual(self.computed(), Counter(range(N)))  # each item once, by one of the two
+
+    def test_one_directory_for_two_nodes_is_refused(self):
+        init = "file://" + os.path.join(self.tmp, "rendezvous")
+        run_ranks(_two_nodes_one_directory, (init, self.path))
+        self.assertEqual([n for n in os.listdir(self.path) if n.startswith(".node-")], [])  # the marks are gone
+
+    @unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0, "needs root to chown a file to another user")
+    def test_file_of_another_user_is_refused(self):
+        store = SharedCacheStore(self.path, persistent=True)
+        store.put("a", 1)
+        store.close()
+        (item,) = item_files(self.path)
+        os.chown(os.path.join(self.path, item), 65534, 65534)
+        with self.assertRaisesRegex(PermissionError, "owned by uid 65534"):
+            SharedCacheStore(self.path, persistent=True)
+        os.chown(os.path.join(self.path, item), os.getuid(), os.getgid())
+        self.assertEqual(SharedCacheStore(self.path, persistent=True).get("a"), 1)
+
+
+if __name__ == "__main__":
+    unittest.main()
