@@ -83,6 +83,7 @@ def recipes() -> list[Recipe]:
         plain("hash_as_key"),
         plain("faults"),
         plain("measure_memory"),
+        plain("keep_across_runs", 2),
         plain("mp_spawn", 3),
         plain("bring_your_own_listproxy", 3),
         Recipe(

@@ -73,6 +73,28 @@ if __name__ == "__main__":
 """
 
 
+# on a file system mounted noatime, the kernel never sets access times: the store's reads must (least recently used)
+_NOATIME_LRU = """
+import os, sys, time
+from monai.data import SharedCacheStore
+from monai.data import _cache_persist as persist
+path = os.path.join(sys.argv[1], "cache")
+store = SharedCacheStore(path, persistent=True)
+for k in ("old", "used"):
+    store.put(k, bytes(100_000))
+nbytes = store.stats()["nbytes"] // 2
+store.close()
+now = time.time_ns()
+for k, age in (("old", 10), ("used", 20)):  # "used" was used longer ago: evicted first, unless this run reads it
+    name = os.path.join(path, SharedCacheStore._stem(k + "|" + persist.version_tag()) + ".item")
+    os.utime(name, ns=(now - age * 10**9, now - 30 * 10**9))
+store = SharedCacheStore(path, persistent=True, max_bytes=2 * nbytes + 1000, reserve=0)
+assert store.get("used") is not None
+assert store.put("new", bytes(100_000))
+print(sorted(k for k in ("old", "used", "new") if store.get(k) is not None))
+"""
+
+
 def _two_nodes_one_directory(rank: int, init: str, path: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
@@ -161,6 +183,18 @@ class TestPersistentRuns(unittest.TestCase):
         init = "file://" + os.path.join(self.tmp, "rendezvous")
         run_ranks(_two_nodes_one_directory, (init, self.path))
         self.assertEqual([n for n in os.listdir(self.path) if n.startswith(".node-")], [])  # the marks are gone
+
+    @unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0, "needs root to mount a tmpfs (unshare --mount)")
+    def test_reads_set_access_times_on_noatime_mounts(self):
+        mnt = os.path.join(self.tmp, "mnt")
+        os.mkdir(mnt, 0o700)
+        mount = f"mount -t tmpfs -o noatime,size=64m,mode=0700 tmpfs {mnt} && exec \"$0\" -c \"$1\" {mnt}"
+        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, sys.executable, _NOATIME_LRU]
+        done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+        if done.returncode and "mount" in done.stderr and "Traceback" not in done.stderr:
+            self.skipTest(f"cannot mount a tmpfs in a private mount namespace here: {done.stderr.strip()}")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(done.stdout.split("\n")[-2], "['new', 'used']")  # "old" went; "used", read by this run, stayed
 
     @unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0, "needs root to chown a file to another user")
     def test_file_of_another_user_is_refused(self):
