@@ -28,7 +28,7 @@ from monai.data import CacheDataset, DataLoader, SharedCacheStore
 from monai.data import _cache_persist as persist
 from monai.data import create_shared_cache
 from monai.transforms import Compose, RandomizableTransform, Transform
-from tests.test_utils import DistCall, DistTestCase, skip_if_quick
+from tests.test_utils import DistCall, DistTestCase
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 N = 6
@@ -160,12 +160,14 @@ class TestPersistentStore(DistTestCase):
         self.assertIn("max_bytes", " ".join(str(w.message) for w in caught))
 
     def test_clear(self):
-        store = self.open()
+        probe = self.open(os.path.join(self.tmp, "probe"))
+        probe.put("x", np.zeros(500))
+        store = self.open(max_bytes=3 * probe.stats()["nbytes"], reserve=0)  # room for 3 items exactly
         for k in range(3):
-            store.put(str(k), k)
+            self.assertTrue(store.put(str(k), np.zeros(500)))
         store.clear()
         self.assertEqual((store.stats()["filled"], store.get("1")), (0, None))
-        self.assertTrue(store.put("1", 1))
+        self.assertTrue(store.put("1", np.zeros(500)))  # room again at once
 
     def test_reserve_is_kept_on_its_own_file_system(self):
         store = self.open(reserve=0)
@@ -195,12 +197,42 @@ class TestPersistentStore(DistTestCase):
         self.assertFalse(os.path.exists(torn))
 
     def test_leftover_cleaner_keeps_persistent_stores(self):
-        kept = self.open(os.path.join(self.tmp, "monai-cache-kept"))
+        kept = self.open()
         kept.put("a", 1)
         kept.close()
+        named = os.path.join(self.tmp, "monai-cache-kept")  # named as temporary stores are, by hand
+        os.rename(self.path, named)
         new = SharedCacheStore(root=self.tmp)  # a new temporary store cleans the leftovers of its root
         new.close()
-        self.assertEqual(self.open(kept.path).get("a"), 1)
+        self.assertEqual(len([n for n in os.listdir(named) if n.endswith(".item")]), 1)
+        with self.assertRaisesRegex(ValueError, "must not start with 'monai-cache-'"):  # older cleaners would
+            SharedCacheStore(named, persistent=True)
+
+    def test_umask_002(self):
+        old = os.umask(0o002)  # the default of many distributions: group-writable files, unless made private
+        try:
+            self.open().put("a", 1)
+            self.assertEqual(self.open().get("a"), 1)  # every file of the store is private
+        finally:
+            os.umask(old)
+
+    def test_set_data_keeps_and_refresh_drops(self):
+        store = self.open()
+        ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store)
+        ds.fill()
+        ds.set_data(list(range(N, 2 * N)))  # the items of the first inputs stay, for later runs
+        ds.fill()
+        self.assertEqual(store.stats()["filled"], 2 * N)
+        ds.refresh()  # inputs rewritten in place: their items go
+        self.assertEqual(store.stats()["filled"], N)
+
+    def test_budget_is_recorded(self):
+        self.open(max_bytes=10**9).close()
+        self.open(reserve=0).close()  # replaces the reserve only
+        store = self.open()
+        self.assertEqual(store.put("a", 1), True)
+        with open(os.path.join(self.path, ".budget")) as f:
+            self.assertEqual(f.read(), '{"reserve": 0, "max_bytes": 1000000000}')
 
     @parameterized.expand([("directory", "", 0o777), ("directory", "", 0o750), ("item", ".item", 0o666)])
     def test_refuses_what_others_could_write(self, _, which, mode):
@@ -257,7 +289,6 @@ class TestPersistentStore(DistTestCase):
         finally:
             store.close()
 
-    @skip_if_quick
     def test_two_runs_of_two_ranks(self):
         self.run_ranks(self.log)
         self.assertEqual(_computed(self.log), list(range(N)))  # once per node

@@ -67,9 +67,57 @@ def _refuse(path: str, name: str, problem: str) -> PermissionError:
     return PermissionError(
         f"SharedCacheStore: refusing the persistent store {path!r}: {what} is {problem}. Its items are unpickled when "
         "read, and unpickling data written by someone else can run arbitrary code. If you trust its content, make it "
-        "yours and closed to others (chown -R, chmod -R go-w, remove the link); else remove the directory or choose "
-        "another path."
+        f"yours and closed to others (chown -R $USER {path}; chmod 700 {path}; chmod -R go-w {path}; remove links); "
+        "else remove the directory or choose another path."
     )
+
+
+def _write(path: str, text: str) -> None:
+    """Replace the small file ``path`` by one holding ``text``, mode ``0o600``, on disk whole or not at all."""
+    new = f"{path}-{os.getpid()}-{time.monotonic_ns()}"
+    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(new, path)
+    _sync_dir(os.path.dirname(path))
+
+
+def _sync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # not every platform syncs a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_budget(path: str, reserve: int | None, max_bytes: int | None) -> None:
+    """
+    Record the budget of the persistent store ``path``: the values given replace the recorded ones, the others stay.
+    A new store's reserve is, by default, at least a tenth of its file system: a disk holds checkpoints and logs too.
+    """
+    record = os.path.join(path, budget._FILE)
+    old = budget.Budget.load(path) if os.path.exists(record) else None
+    if old is None:
+        reserve = budget._env_bytes(budget.ENV_RESERVE) if reserve is None else reserve
+        max_bytes = budget._env_bytes(budget.ENV_MAX_BYTES) if max_bytes is None else max_bytes
+        if reserve is None:
+            st = os.statvfs(path)
+            total = st.f_blocks * st.f_frsize
+            reserve = max(budget.default_reserve(total), total // 10)
+    elif reserve is None and max_bytes is None:
+        return
+    else:
+        reserve = old.reserve if reserve is None else reserve
+        max_bytes = old.max_bytes if max_bytes is None else max_bytes
+    _write(record, json.dumps({"reserve": reserve, "max_bytes": max_bytes}))
 
 
 def _problem(st: os.stat_result, others: int) -> str | None:
@@ -77,6 +125,8 @@ def _problem(st: os.stat_result, others: int) -> str | None:
     that others must not have."""
     if stat.S_ISLNK(st.st_mode):
         return "a symbolic link"
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        return "neither a regular file nor a directory"
     if st.st_uid != os.getuid():
         return f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
     if st.st_mode & others:
@@ -121,6 +171,11 @@ def open_dir(path: str) -> None:
         PermissionError: see :py:func:`check_files`.
         ValueError: ``path`` is a directory that holds other files and no store, or a store of another layout.
     """
+    if os.path.basename(path).startswith(locks.PREFIX):  # the cleaners of older versions would remove it
+        raise ValueError(
+            f"SharedCacheStore: the name of a persistent store must not start with {locks.PREFIX!r}, the prefix of "
+            f"temporary stores, got {path!r}."
+        )
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     try:
@@ -134,19 +189,18 @@ def open_dir(path: str) -> None:
         with open(marker) as f:
             layout = json.load(f).get("layout")
     except FileNotFoundError:
-        other = sorted(n for n in os.listdir(path) if not n.startswith("."))  # a store's own files all are
+        other = sorted(n for n in os.listdir(path) if not n.startswith(".") and not n.endswith(".item"))
         if other:
             raise ValueError(
                 f"SharedCacheStore: {path!r} is not empty and holds no persistent store (no {locks.PERSISTENT} file; "
                 f"it holds {other[:3]}): give the path of a new or empty directory, or of a persistent store."
             ) from None
-        new = f"{marker}-{os.getpid()}"
-        with open(new, "w") as f:
-            json.dump({"layout": LAYOUT}, f)
-        os.replace(new, marker)  # the marker is whole or absent
+        layout = None
+    except (ValueError, AttributeError):  # a marker that a crash of the node left empty: items check themselves
+        layout = None
+    if layout is None:
+        _write(marker, json.dumps({"layout": LAYOUT}))
         layout = LAYOUT
-    except (OSError, ValueError, AttributeError) as err:
-        raise ValueError(f"SharedCacheStore: cannot read {marker!r} ({err}); remove the directory {path!r}.") from err
     if layout != LAYOUT:
         raise ValueError(
             f"SharedCacheStore: {path!r} is a persistent store of layout {layout!r}, and this version reads layout "
@@ -184,20 +238,35 @@ def join(path: str) -> tuple[locks.Held, int]:
                 if slot is not None:  # not held by a live process, such as a last DataLoader worker
                     locks.unlink_quiet(os.path.join(slots, name))
                     slot.close()
-            with open(session, "w") as f:
-                f.write(str(os.getpid()))
+            for name in os.listdir(path):
+                if name.startswith(".node-"):  # marks of create_shared_cache that a killed run left
+                    locks.unlink_quiet(os.path.join(path, name))
+            _start_session(path)
         if not _lock(held.fd, fcntl.LOCK_SH, _WAIT):
             raise OSError(errno.EAGAIN, "another process holds the store's lock exclusively", path)
         try:
             start = os.stat(session).st_mtime_ns
         except FileNotFoundError:  # its first user was killed before making it
-            with open(session, "w") as f:
-                f.write(str(os.getpid()))
-            start = os.stat(session).st_mtime_ns
+            start = _start_session(path)
     except BaseException:
         held.close()
         raise
     return held, start
+
+
+def _start_session(path: str) -> int:
+    """
+    Touch ``.session``, until its time (the file system's clock, at its granularity) is later than that of every item
+    written so far: an item is of an earlier session if and only if it is older than ``.session``.
+    """
+    latest = max((mtime for _, mtime, _, _ in _items(path)), default=-1)
+    deadline = time.monotonic() + 2.5  # a file system that keeps whole seconds may need one
+    while True:
+        _write(os.path.join(path, _SESSION), str(os.getpid()))
+        start = os.stat(os.path.join(path, _SESSION)).st_mtime_ns
+        if start > latest or time.monotonic() > deadline:
+            return start
+        time.sleep(0.002)
 
 
 def session_start(path: str) -> int:
@@ -243,16 +312,20 @@ def scan(path: str, start: int) -> dict[str, int]:
     return {"filled": len(items), "nbytes": sum(size for _, _, size, _ in items), "reused": reused}
 
 
-def evict(path: str, start: int, nbytes: int, budget_: Any) -> int:
+def evict(path: str, start: int, nbytes: int, budget_: Any) -> int | None:
     """
     Remove the least recently used items of earlier sessions until an item of ``nbytes`` fits ``budget_`` (its
-    ``max_bytes`` and the reserve on the store's file system); the bytes removed. Items used since ``start`` stay.
+    ``max_bytes`` and the reserve on the store's file system); the bytes removed, or ``None`` if no item of an earlier
+    session is left (none can appear during the session). Items used since ``start`` stay.
     """
     held = locks.Held(os.open(os.path.join(path, _EVICT), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
     try:
         if not _lock(held.fd, fcntl.LOCK_EX, _WAIT):  # another process evicts for as long: let it
             return 0
         items = _items(path)
+        old = sorted(i for i in items if i[0] < start)  # least recently used first
+        if not old:
+            return None
         excess = 0
         if budget_.max_bytes is not None:
             excess = sum(size for _, _, size, _ in items) + nbytes - budget_.max_bytes
@@ -264,7 +337,7 @@ def evict(path: str, start: int, nbytes: int, budget_: Any) -> int:
         except (OSError, AttributeError):
             pass
         removed = 0
-        for _, _, size, item in sorted(i for i in items if i[0] < start):  # least recently used first
+        for _, _, size, item in old:
             if removed >= excess:
                 break
             try:

@@ -95,6 +95,23 @@ print(sorted(k for k in ("old", "used", "new") if store.get(k) is not None))
 """
 
 
+# back-to-back runs on a file system that keeps whole seconds (ext4 with 128-byte inodes): the second run reuses all
+_COARSE_REUSE = """
+import os, sys
+from monai.data import SharedCacheStore
+for run in range(5):
+    path = os.path.join(sys.argv[1], f"cache{run}")
+    store = SharedCacheStore(path, persistent=True)
+    store.put("a", 1)
+    store.close()
+    store = SharedCacheStore(path, persistent=True)
+    assert store.get("a") == 1
+    assert store.stats()["reused"] == 1, store.stats()
+    store.close()
+print("ok")
+"""
+
+
 def _two_nodes_one_directory(rank: int, init: str, path: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
@@ -188,13 +205,27 @@ class TestPersistentRuns(unittest.TestCase):
     def test_reads_set_access_times_on_noatime_mounts(self):
         mnt = os.path.join(self.tmp, "mnt")
         os.mkdir(mnt, 0o700)
-        mount = f"mount -t tmpfs -o noatime,size=64m,mode=0700 tmpfs {mnt} && exec \"$0\" -c \"$1\" {mnt}"
+        mount = f'mount -t tmpfs -o noatime,size=64m,mode=0700 tmpfs {mnt} && exec "$0" -c "$1" {mnt}'
         cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, sys.executable, _NOATIME_LRU]
         done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
         if done.returncode and "mount" in done.stderr and "Traceback" not in done.stderr:
             self.skipTest(f"cannot mount a tmpfs in a private mount namespace here: {done.stderr.strip()}")
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertEqual(done.stdout.split("\n")[-2], "['new', 'used']")  # "old" went; "used", read by this run, stayed
+
+    @unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0, "needs root to loop-mount a file system")
+    def test_sessions_on_a_file_system_of_whole_seconds(self):
+        image, mnt = os.path.join(self.tmp, "fs.img"), os.path.join(self.tmp, "coarse")
+        os.mkdir(mnt, 0o700)
+        made = subprocess.run(["mkfs.ext4", "-q", "-F", "-I", "128", image, "16M"], capture_output=True, text=True)
+        if made.returncode:
+            self.skipTest(f"cannot make an ext4 image here: {made.stderr.strip()}")
+        mount = f'mount -o loop {image} {mnt} && chmod 700 {mnt} && exec "$0" -c "$1" {mnt}'
+        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, sys.executable, _COARSE_REUSE]
+        done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+        if done.returncode and "mount" in done.stderr and "Traceback" not in done.stderr:
+            self.skipTest(f"cannot loop-mount a file system in a private mount namespace here: {done.stderr.strip()}")
+        self.assertEqual((done.returncode, done.stdout.strip()), (0, "ok"), done.stderr)
 
     @unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0, "needs root to chown a file to another user")
     def test_file_of_another_user_is_refused(self):
