@@ -280,6 +280,7 @@ class TestPersistentStore(DistTestCase):
 
     @DistCall(nproc_per_node=2, timeout=TIMEOUT)
     def run_ranks(self, log: str) -> None:
+        os.umask(0o002)  # in this rank only: every file the ranks make stays private all the same
         store = create_shared_cache(path=self.path, persistent=True)
         try:
             ds = CacheDataset(list(range(N)), Compose([Load(log), AddOne()]), runtime_cache=store)
