@@ -24,6 +24,7 @@ import torch.distributed as dist
 from parameterized import parameterized
 
 from monai.data import CacheDataset, SharedCacheStore, create_shared_cache
+from monai.data.utils import pickle_hashing
 from monai.transforms import Compose, RandomizableTransform, Transform
 from tests.test_utils import DistCall, DistTestCase, skip_if_quick
 
@@ -60,6 +61,11 @@ def write_inputs(tmp: str, offset: float) -> list[str]:
     return paths
 
 
+def name_key(path: str) -> bytes:
+    """A content key of the input's name alone: a file rewritten in place keeps its key (and its items)."""
+    return pickle_hashing(path)
+
+
 def computed(log: str) -> Counter:
     with open(log) as f:
         return Counter(f.read().split())
@@ -79,9 +85,11 @@ class TestRefresh(DistTestCase):
 
     def check_refresh(self, cache: object, keeps_on_set_data: bool = True) -> None:
         paths = self.paths
-        ds = CacheDataset(paths, Compose([Load(self.log), AddOne()]), runtime_cache=cache, progress=False)
+        ds = CacheDataset(
+            paths, Compose([Load(self.log), AddOne()]), runtime_cache=cache, progress=False, hash_func=name_key
+        )
         self.check(ds, 0.0)
-        write_inputs(self.tmp, 100.0)  # the same paths, so the same content keys
+        write_inputs(self.tmp, 100.0)  # the same paths, so the same content keys under name_key
         if keeps_on_set_data:  # True, "thread" (and "process" without a store) fill a new list at set_data, as upstream
             ds.set_data(paths)
         self.check(ds, 0.0)  # still the cached items: set_data keeps the items of unchanged keys
@@ -118,7 +126,7 @@ class TestRefresh(DistTestCase):
     def test_one_rank_refreshes_for_the_node(self) -> None:
         """2 ranks share one store: rank 0 refreshes between barriers, both then read the new items, computed once."""
         rank, store = dist.get_rank(), create_shared_cache(root=self.tmp, timeout=TIMEOUT)
-        ds = CacheDataset(self.paths, Compose([Load(self.log), AddOne()]), runtime_cache=store)
+        ds = CacheDataset(self.paths, Compose([Load(self.log), AddOne()]), runtime_cache=store, hash_func=name_key)
         for epoch, offset in enumerate((0.0, 0.0, 100.0)):
             dist.barrier()  # every rank has finished the epoch
             if epoch == 2 and rank == 0:  # one rank per node rewrites the inputs and drops the items

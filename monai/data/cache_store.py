@@ -151,14 +151,16 @@ class SharedCacheStore:
 
     def put(self, key: str, item: Any) -> bool:
         """
-        Store ``item`` (any picklable object) under ``key``, atomically; whether it was stored (not after a fault).
-
-        Raises:
-            TypeError: ``item`` holds a tensor that is not on the CPU.
+        Store ``item`` under ``key``, atomically; whether it was stored: not after a fault, nor an item that pickle
+        cannot store or that holds a tensor off the CPU (one warning says how to keep such items cached).
         """
         if self._gone or not self._writable:
             return False
-        chunks, total = fmt.encode(key, item)  # raises before any file is made
+        try:
+            chunks, total = fmt.encode(key, item)
+        except Exception as err:  # before any file is made; the item is computed without the cache
+            self._warn_once("cannot store some items", err, fmt.UNSTORABLE)
+            return False
         tmp = os.path.join(self._tmp, f"{self._stem(key)}-{secrets.token_hex(8)}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)

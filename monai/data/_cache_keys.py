@@ -1,0 +1,369 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+What counts as the same item: the keys under which a runtime cache of ``CacheDataset`` keeps its items.
+
+A cached item is what the cached (deterministic) transforms make of one input. A cache that other processes fill or
+that outlives the run (a ``ListProxy`` of DDP ranks, a ``SharedCacheStore``, a persistent one) must never serve an
+item of other transforms or of another input, and must reuse every item where nothing changed. Pickle alone does
+neither: it stores functions and classes by name, so an edited function or method keeps its key; it stores a set in
+its hash order, which changes with ``PYTHONHASHSEED``, so processes stop sharing; and a data entry names its files,
+so a file rewritten in place, or the same relative name in another directory, keeps its key. So:
+
+- :py:func:`transforms_fingerprint` hashes the transforms by their pickled state in a canonical form. User code
+  (functions and classes of no installed distribution: scripts, ``__main__``, a project installed in editable mode)
+  counts by its code: bytecode, constants, names, defaults, closure values and the globals it reads, recursively, and
+  for a class its bases and members. Library code counts by its name and its distribution's version. Sets count by
+  their sorted elements. Members whose state cannot change an item (``STATELESS_TYPES``) count by their type, and a
+  ``multiprocessing`` shared value by its content, so processes still share. Any other member
+  that pickle cannot store makes the fingerprint private to its process (``Fingerprint.private`` names it).
+- :py:func:`stamp_files` replaces, in a data entry, each string or path that names an existing file or directory by
+  its absolute path and a digest of its content, memoized by the file's stat data as git's index is. A file whose
+  stat data changed, or that was modified less than ``RACY_SECONDS`` before it was hashed, is hashed again.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import hashlib
+import io
+import logging
+import os
+import pickle
+import site
+import sys
+import sysconfig
+import threading
+import time
+import types
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+__all__ = ["STATELESS_TYPES", "RACY_SECONDS", "Fingerprint", "transforms_fingerprint", "stamp_files", "library_version"]
+
+# members whose state cannot change an item: they count by their type alone, so that processes still share items
+STATELESS_TYPES: tuple[type, ...] = (
+    type(threading.Lock()),
+    type(threading.RLock()),
+    threading.Condition,
+    threading.Event,
+    threading.Semaphore,
+    threading.Thread,
+    logging.Logger,
+    logging.Handler,
+)
+try:  # multiprocessing's locks, conditions, events and semaphores (absent where the platform has no sem_open)
+    from multiprocessing import synchronize as _mp_sync
+
+    STATELESS_TYPES += (_mp_sync.SemLock, _mp_sync.Condition, _mp_sync.Event)
+except ImportError:
+    pass
+
+RACY_SECONDS = 2.0  # a file modified this shortly before it was hashed may change again unseen: hashed again later
+_PROCESS_SALT = uuid.uuid4().bytes  # makes a fingerprint with a private member private to this process (and forks)
+_MAIN = ("__main__", "__mp_main__")  # a script, as run and as a spawned child re-imports it
+_PLAIN = (str, bytes, int, float, bool, type(None), tuple, list, dict, complex)
+# class members that cannot change an item: what pickle, abc and the compiler (line numbers) add
+_CLASS_NOISE = {"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__slotnames__", "_abc_impl"}
+_CLASS_NOISE |= {"__firstlineno__", "__static_attributes__"}
+_digests: dict[str, tuple[tuple[int, ...], bytes]] = {}  # path -> (stat data, content digest), of this process
+_digests_lock = threading.Lock()
+
+
+class Fingerprint(NamedTuple):
+    """The fingerprint of some transforms: ``digest`` (hex), one ``parts`` digest per transform, ``private`` members."""
+
+    digest: str
+    parts: tuple[str, ...]
+    private: tuple[str, ...]
+
+
+@lru_cache(maxsize=None)
+def _library_prefixes() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs |= {sys.base_prefix + os.sep + "lib", getattr(site, "USER_SITE", None)}
+    return tuple(os.path.realpath(d) + os.sep for d in dirs if d)
+
+
+@lru_cache(maxsize=None)
+def _distributions() -> Mapping[str, list[str]]:
+    from importlib import metadata
+
+    return metadata.packages_distributions()
+
+
+def library_version(module: str) -> str | None:
+    """
+    What library code of ``module`` counts by: its top-level package and the version of its distribution (the
+    Python version for the standard library and built-in modules), or ``None`` where it is user code, counted by its
+    code: ``__main__``, a script's directory, a project installed in editable mode, anything not installed.
+    """
+    return None if module in _MAIN else _top_version(module.partition(".")[0])
+
+
+@lru_cache(maxsize=None)
+def _top_version(top: str) -> str | None:
+    if top in sys.builtin_module_names or top in getattr(sys, "stdlib_module_names", ()):
+        return f"python {sys.version_info[0]}.{sys.version_info[1]}"
+    if top == "monai":  # the library itself, also where it runs from a source tree
+        return f"monai {getattr(sys.modules.get('monai'), '__version__', '')}"
+    mod = sys.modules.get(top)
+    files = [getattr(mod, "__file__", None)] + list(getattr(mod, "__path__", []) or [])
+    files = [os.path.realpath(f) for f in files if f]
+    if not files or not all(f.startswith(_library_prefixes()) for f in files):
+        return None
+    from importlib import metadata
+
+    try:  # a distribution of the package's name (numpy, torch), else the one that installed it
+        return f"{top} {metadata.version(top)}"
+    except metadata.PackageNotFoundError:
+        names = _distributions().get(top) or []
+    try:
+        return f"{top} " + ",".join(f"{n} {metadata.version(n)}" for n in sorted(names))
+    except metadata.PackageNotFoundError:
+        return f"{top} {getattr(mod, '__version__', '')}"
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _shared_value(obj: Any) -> tuple | None:
+    """A ``multiprocessing`` shared value or array by its type and content, which every process that holds it sees."""
+    raw = getattr(obj, "_obj", obj)
+    if type(getattr(raw, "_wrapper", None)).__module__ != "multiprocessing.heap":
+        return None
+    try:
+        content = memoryview(raw).tobytes()
+    except TypeError:
+        return None
+    return ("shared memory", _qualname(type(obj)), _qualname(type(raw)), content)
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _function_parts(fn: types.FunctionType) -> tuple:
+    """What a user function computes with: code, defaults, closure values and the globals that its code reads."""
+    names = sorted(_global_names(fn.__code__))
+    reads: list[tuple[str, Any]] = []
+    for name in names:
+        if name not in fn.__globals__:
+            continue  # an attribute name, a builtin
+        value = fn.__globals__[name]
+        if isinstance(value, types.ModuleType) and library_version(value.__name__) is None:
+            # a user module: the members its code reads (``helpers.scale(x)``)
+            value = (value.__name__, [(n, vars(value)[n]) for n in names if n in vars(value) and n[:2] != "__"])
+        reads.append((name, value))
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            cells.append(("empty cell",))
+    return fn.__code__, fn.__defaults__, fn.__kwdefaults__, cells, reads
+
+
+def _class_parts(cls: type) -> tuple:
+    """What a user class computes with: its bases and members (methods by their code)."""
+    members = []
+    for name, value in sorted(vars(cls).items(), key=lambda kv: kv[0]):
+        if name in _CLASS_NOISE:
+            continue
+        if isinstance(value, (staticmethod, classmethod)):
+            value = (type(value).__name__, value.__func__)
+        elif isinstance(value, property):
+            value = ("property", value.fget, value.fset, value.fdel)
+        elif isinstance(value, (types.MemberDescriptorType, types.GetSetDescriptorType)):
+            value = ("slot",)
+        members.append((name, value))
+    return cls.__bases__, members
+
+
+class _Context:
+    """What one fingerprint shares between its picklers: digests of code, cycles, libraries and private members."""
+
+    def __init__(self) -> None:
+        self.active: set[int] = set()
+        self.digests: dict[int, bytes] = {}
+        self.keep: list[Any] = []  # what `digests` is keyed by the id of, alive until the fingerprint is made
+        self.libraries: set[str] = set()
+        self.private: list[str] = []
+
+    def digest(self, obj: Any) -> bytes:
+        buffer = io.BytesIO()
+        _KeyPickler(buffer, self).dump(obj)
+        return hashlib.sha256(buffer.getvalue()).digest()
+
+
+class _KeyPickler(pickle.Pickler):
+    """For hashing only: a canonical pickle, in which user code counts by its code (never unpickled)."""
+
+    def __init__(self, file: io.BytesIO, context: _Context) -> None:
+        super().__init__(file, protocol=4)
+        self.context = context
+
+    def persistent_id(self, obj: Any) -> Any:  # called for every object, sets and frozensets included
+        if type(obj) in _PLAIN:
+            return None
+        if isinstance(obj, (set, frozenset)):
+            return (type(obj).__name__, sorted(self.context.digest(e) for e in obj))
+        if isinstance(obj, STATELESS_TYPES):
+            return ("stateless", _qualname(type(obj)))
+        shared = _shared_value(obj)
+        if shared is not None:
+            return shared
+        if isinstance(obj, types.ModuleType):
+            self._library(obj.__name__)
+            return ("module", obj.__name__)
+        if isinstance(obj, (type, types.FunctionType, types.CodeType)) or type(obj).__name__ in ("ndarray", "Tensor"):
+            return None
+        reduce = copyreg.dispatch_table.get(type(obj))  # as pickle looks it up (numpy's ufuncs, say)
+        try:
+            reduce(obj) if reduce is not None else obj.__reduce_ex__(4)
+        except Exception as err:
+            self.context.private.append(f"a member of type {_qualname(type(obj))} ({type(err).__name__}: {err})")
+            return ("private", _qualname(type(obj)), id(obj))
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.CodeType):
+            parts = (obj.co_code, obj.co_consts, obj.co_names, obj.co_argcount, obj.co_kwonlyargcount, obj.co_flags)
+            return tuple, (("code", *parts),)
+        if isinstance(obj, types.FunctionType):
+            return self._by_code(obj, _function_parts)
+        if isinstance(obj, type):
+            return self._by_code(obj, _class_parts)
+        return NotImplemented
+
+    def _library(self, module: str) -> bool:
+        if library_version(module) is None:
+            return False
+        self.context.libraries.add(module.partition(".")[0])
+        return True
+
+    def _by_code(self, obj: Any, parts: Callable[[Any], tuple]) -> Any:
+        module, qualname = getattr(obj, "__module__", None) or "", obj.__qualname__
+        module = "__main__" if module in _MAIN else module
+        if self._library(module) and "<" not in qualname:
+            return NotImplemented  # by reference: its name, and its distribution's version
+        key, context = id(obj), self.context
+        if key in context.active:  # a function that calls itself, a method that makes its own class
+            return tuple, (("cycle", module, qualname),)
+        if key not in context.digests:
+            context.active.add(key)
+            try:
+                context.digests[key] = context.digest(parts(obj))
+            finally:
+                context.active.discard(key)
+            context.keep.append(obj)
+        return tuple, (("code", module, qualname, context.digests[key]),)
+
+
+def transforms_fingerprint(transforms: Sequence[Any]) -> Fingerprint:
+    """
+    The fingerprint of ``transforms``: the same in every process that builds the same transforms from the same code,
+    whatever ``PYTHONHASHSEED``, and another one where anything that can change their results differs.
+
+    Args:
+        transforms: the transforms (any objects).
+
+    Returns:
+        the digest, a digest per transform (to tell which differs), and the members that made the digest private to
+        this process; a pipeline that cannot be pickled at all is private, with a fresh digest, and names why.
+    """
+    context = _Context()
+    try:
+        parts = [context.digest((type(t), t)).hex() for t in transforms]
+    except Exception as err:  # a failing __getstate__, say
+        why = f"the transforms cannot be pickled ({type(err).__name__}: {err})"
+        return Fingerprint(uuid.uuid4().hex + uuid.uuid4().hex, (), (why,))
+    libraries = sorted((top, library_version(top) or "") for top in context.libraries)
+    digest = hashlib.sha256(pickle.dumps((parts, libraries), protocol=4))
+    if context.private:
+        digest.update(_PROCESS_SALT)
+    return Fingerprint(digest.hexdigest(), tuple(parts), tuple(dict.fromkeys(context.private)))
+
+
+def _stat_data(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _file_digest(path: str, st: os.stat_result) -> bytes:
+    """The sha256 of a regular file's content, memoized by its stat data unless modified just before it was read."""
+    data = _stat_data(st)
+    with _digests_lock:
+        known = _digests.get(path)
+    if known is not None and known[0] == data:
+        return known[1]
+    started = time.time_ns()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    after = os.stat(path)
+    if _stat_data(after) != data:  # written while read: a digest of no version, never kept
+        return b"changed while read " + uuid.uuid4().bytes
+    if started - st.st_mtime_ns > RACY_SECONDS * 1e9:
+        with _digests_lock:
+            _digests[path] = (data, digest.digest())
+    return digest.digest()
+
+
+def _stamp(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):  # no such file, a name too long, a NUL: not a file name
+        return None
+    path = os.path.abspath(path)
+    try:
+        if os.path.isfile(path):
+            return ("file", path, _file_digest(path, st))
+        if os.path.isdir(path):  # a series directory (DICOM): its files by content, its directories by name
+            entries = []
+            with os.scandir(path) as it:
+                for e in sorted(it, key=lambda e: e.name):
+                    is_file = e.is_file()
+                    entries.append((e.name, _file_digest(e.path, e.stat()) if is_file else e.is_dir()))
+            return ("directory", path, entries)
+    except OSError as err:  # unreadable: a stamp of no content, never the same twice
+        return ("unreadable", path, f"{type(err).__name__}", uuid.uuid4().bytes)
+    return ("other", path, _stat_data(st))
+
+
+def stamp_files(entry: Any) -> Any:
+    """
+    ``entry`` (a data entry: nested dicts, lists and tuples) with each string or path-like that names an existing
+    file or directory replaced by ``(kind, absolute path, digest of content)``, and everything else as it is.
+    A directory counts by the names of its entries and the content of its files.
+
+    Args:
+        entry: a data entry, for example ``{"image": "img.nii.gz", "label": "seg.nii.gz", "id": 3}``.
+
+    Returns:
+        the stamped entry, for a content key such as ``pickle_hashing(stamp_files(entry))``.
+    """
+    if isinstance(entry, (str, os.PathLike)):
+        stamp = _stamp(os.fspath(entry)) if isinstance(os.fspath(entry), str) else None
+        return entry if stamp is None else stamp
+    if isinstance(entry, Mapping):
+        return {k: stamp_files(v) for k, v in entry.items()}
+    if isinstance(entry, (list, tuple)):
+        return type(entry)(stamp_files(v) for v in entry) if type(entry) in (list, tuple) else entry
+    return entry

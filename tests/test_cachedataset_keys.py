@@ -1,0 +1,239 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import unittest
+import warnings
+
+import numpy as np
+import torch
+from parameterized import parameterized
+
+from monai.data import CacheDataset, transforms_hashing
+from monai.data._cache_keys import stamp_files, transforms_fingerprint
+from monai.transforms import Compose, Lambda, Transform
+
+TIMEOUT = 120
+
+
+class Holds(Transform):
+    """A transform with one member, which must not change its output."""
+
+    def __init__(self, member: object = None) -> None:
+        self.member = member
+
+    def __call__(self, x):
+        return x
+
+
+class Scale(Transform):
+    """Multiplies by a factor: a method that the tests edit by making a subclass with another body."""
+
+    factor = 2
+
+    def __call__(self, x):
+        return x * self.factor
+
+
+class Load(Transform):
+    """Loads an input file, and logs each computation to a file (state of its own would change its fingerprint)."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __call__(self, path: str):
+        with open(self.log, "a") as f:
+            f.write(path + "\n")
+        return torch.as_tensor(np.load(path))
+
+    @property
+    def calls(self) -> int:
+        with open(self.log) as f:
+            return len(f.read().split())
+
+
+def fingerprint_in_new_interpreter(code: str, seed: str) -> str:
+    env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    if out.returncode != 0:
+        raise AssertionError(out.stderr)
+    return out.stdout.strip()
+
+
+class TestTransformsFingerprint(unittest.TestCase):
+    def setUp(self) -> None:
+        self.tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+
+    def write_module(self, name: str, body: str):
+        with open(os.path.join(self.tmp, f"{name}.py"), "w") as f:
+            f.write(body)
+        if self.tmp not in sys.path:
+            sys.path.insert(0, self.tmp)
+            self.addCleanup(sys.path.remove, self.tmp)
+        self.addCleanup(sys.modules.pop, name, None)
+        importlib.invalidate_caches()
+        if name in sys.modules:
+            return importlib.reload(sys.modules[name])
+        return importlib.import_module(name)
+
+    def test_user_code_counts_by_its_code(self):
+        """An edited module function, global constant, method and default argument: each a new fingerprint."""
+        versions = {
+            "original": "K = 2\ndef f(x, k=1):\n    return x * K * k\n",
+            "body": "K = 2\ndef f(x, k=1):\n    return x * K * k + 1\n",
+            "constant": "K = 3\ndef f(x, k=1):\n    return x * K * k\n",
+            "default": "K = 2\ndef f(x, k=2):\n    return x * K * k\n",
+        }
+        digests = {}
+        for name, body in versions.items():
+            module = self.write_module("keys_userfn", body)
+            digests[name] = transforms_hashing([Lambda(module.f)])
+        self.assertEqual(len(set(digests.values())), len(versions), digests)
+        module = self.write_module("keys_userfn", versions["original"])
+        self.assertEqual(transforms_hashing([Lambda(module.f)]), digests["original"])  # back: the same again
+
+        class Scale3(Scale):
+            def __call__(self, x):
+                return x * self.factor + 1
+
+        self.assertNotEqual(transforms_hashing([Scale()]), transforms_hashing([Scale3()]))
+
+    def test_closures_and_library_code(self):
+        def make(k):
+            return lambda x: x * k
+
+        self.assertNotEqual(transforms_hashing([Lambda(make(2))]), transforms_hashing([Lambda(make(3))]))
+        self.assertEqual(transforms_hashing([Lambda(make(2))]), transforms_hashing([Lambda(make(2))]))
+        self.assertEqual(transforms_hashing([Lambda(np.sqrt)]), transforms_hashing([Lambda(np.sqrt)]))
+        self.assertNotEqual(transforms_hashing([Lambda(np.sqrt)]), transforms_hashing([Lambda(np.exp)]))
+
+    def test_sets_are_canonical_across_hash_seeds(self):
+        code = (
+            "from monai.data import transforms_hashing\n"
+            f"from {Holds.__module__} import Holds\n"
+            "print(transforms_hashing([Holds({'liver', 'spleen', 'kidney', 'lung'})]).decode())"
+        )
+        seen = {fingerprint_in_new_interpreter(code, seed) for seed in ("1", "2", "3")}
+        self.assertEqual(len(seen), 1, seen)
+
+    def test_stateless_members_count_by_type(self):
+        for make in (threading.Lock, threading.RLock, threading.Event, lambda: logging.getLogger("keys")):
+            first, second = transforms_fingerprint([Holds(make())]), transforms_fingerprint([Holds(make())])
+            self.assertEqual((first.private, first.digest), ((), second.digest))  # shared, by type
+            self.assertNotEqual(first.digest, transforms_fingerprint([Holds(None)]).digest)
+
+    def test_shared_values_count_by_content(self):
+        two, three = multiprocessing.Value("d", 2.0), multiprocessing.Value("d", 3.0)
+        self.assertNotEqual(transforms_hashing([Holds(two)]), transforms_hashing([Holds(three)]))
+        self.assertEqual(transforms_hashing([Holds(two)]), transforms_hashing([Holds(two)]))
+        self.assertEqual(transforms_hashing([Holds(two)]), transforms_hashing([Holds(multiprocessing.Value("d", 2.0))]))
+
+    def test_a_member_pickle_cannot_store_is_private(self):
+        import socket
+
+        a, b = socket.socket(), socket.socket()
+        self.addCleanup(a.close)
+        self.addCleanup(b.close)
+        fa = transforms_fingerprint([Holds(a)])
+        self.assertIsNone(transforms_hashing([Holds(a)]))
+        self.assertIn("socket", fa.private[0])
+        self.assertEqual(fa, transforms_fingerprint([Holds(a)]))  # the same object: the same in this process
+        self.assertNotEqual(fa.digest, transforms_fingerprint([Holds(b)]).digest)  # another one: never shared
+
+        data = [np.arange(3.0)]
+        with self.assertWarnsRegex(UserWarning, "socket.*neither shared .* hash_transform="):
+            CacheDataset(data, Compose([Holds(a)]), runtime_cache=True, progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fingerprint of the user's own: no warning
+            ds = CacheDataset(data, Compose([Holds(a)]), runtime_cache=[], hash_transform=lambda t: b"mine")
+        self.assertTrue(ds._runtime_keys[0].endswith("-mine"))
+
+
+class TestFileStamps(unittest.TestCase):
+    def setUp(self) -> None:
+        self.tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        cwd = os.getcwd()
+        self.addCleanup(os.chdir, cwd)
+
+    def save(self, rel: str, value: float) -> str:
+        """Write an input, modified a minute ago: older than RACY_SECONDS, so its digest is memoized."""
+        path = os.path.join(self.tmp, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.save(path, np.full(4, value))
+        past = os.stat(path).st_mtime_ns - 60 * 10**9
+        os.utime(path, ns=(past, past))
+        return path
+
+    def test_stamp(self):
+        path = self.save("a/img.npy", 1.0)
+        stamp = stamp_files({"image": path, "label": 3, "name": "not a file", "more": [path]})
+        self.assertEqual(stamp["image"][:2], ("file", path))
+        self.assertEqual((stamp["label"], stamp["name"]), (3, "not a file"))
+        self.assertEqual(stamp["more"], [stamp["image"]])
+        self.assertEqual(stamp_files(os.path.dirname(path))[0], "directory")
+
+    @parameterized.expand([("list", []), ("thread", "thread")])
+    def test_same_relative_name_in_two_directories(self, _, cache):
+        """One shared container, two projects naming ``img.npy`` relatively: each gets its own item."""
+        self.save("a/img.npy", 1.0)
+        self.save("b/img.npy", 2.0)
+        container = cache if isinstance(cache, list) else []
+        values = []
+        for project in ("a", "b"):
+            os.chdir(os.path.join(self.tmp, project))
+            ds = CacheDataset(
+                ["img.npy"], Compose([Load(os.path.join(self.tmp, "log"))]), runtime_cache=container, progress=False
+            )
+            values.append(float(ds[0][0]))
+        self.assertEqual(values, [1.0, 2.0])
+
+    def test_rewritten_in_place_is_recomputed_and_unchanged_is_not(self):
+        path = self.save("img.npy", 1.0)
+        load = Load(os.path.join(self.tmp, "log"))
+        ds = CacheDataset([path], Compose([load]), runtime_cache=[], progress=False)
+        self.assertEqual((float(ds[0][0]), load.calls), (1.0, 1))
+        ds.set_data([path])  # nothing changed: nothing computed
+        self.assertEqual((float(ds[0][0]), load.calls), (1.0, 1))
+        st = os.stat(path)
+        self.save("img.npy", 5.0)  # in place: the same inode and size, and the very same mtime restored
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        ds.set_data([path])
+        self.assertEqual((float(ds[0][0]), load.calls), (5.0, 2))
+        shutil.copyfile(path, path + ".copy")
+        os.replace(path + ".copy", path)  # copied afresh, the same content: the same key
+        ds.set_data([path])
+        self.assertEqual((float(ds[0][0]), load.calls), (5.0, 2))
+
+    def test_own_hash_func_is_used_as_given(self):
+        path = self.save("img.npy", 1.0)
+        load = Load(os.path.join(self.tmp, "log"))
+        ds = CacheDataset([path], Compose([load]), runtime_cache=[], progress=False, hash_func=lambda p: b"k")
+        self.assertTrue(ds._runtime_keys[0].startswith("k-"))
+        self.assertEqual((float(ds[0][0]), load.calls), (1.0, 1))
+        self.save("img.npy", 5.0)
+        ds.set_data([path])  # its key does not see the file: the cached item
+        self.assertEqual((float(ds[0][0]), load.calls), (1.0, 1))
+
+
+if __name__ == "__main__":
+    unittest.main()
