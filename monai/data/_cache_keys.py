@@ -39,6 +39,7 @@ import logging
 import os
 import pickle
 import site
+import stat
 import sys
 import sysconfig
 import threading
@@ -119,8 +120,8 @@ def _top_version(top: str) -> str | None:
     if top == "monai":  # the library itself, also where it runs from a source tree
         return f"monai {getattr(sys.modules.get('monai'), '__version__', '')}"
     mod = sys.modules.get(top)
-    files = [getattr(mod, "__file__", None)] + list(getattr(mod, "__path__", []) or [])
-    files = [os.path.realpath(f) for f in files if f]
+    found = [getattr(mod, "__file__", None), *(getattr(mod, "__path__", None) or [])]
+    files = [os.path.realpath(f) for f in found if isinstance(f, str)]
     if not files or not all(f.startswith(_library_prefixes()) for f in files):
         return None
     from importlib import metadata
@@ -333,9 +334,9 @@ def _stamp(path: str) -> tuple | None:
         return None
     path = os.path.abspath(path)
     try:
-        if os.path.isfile(path):
+        if stat.S_ISREG(st.st_mode):
             return ("file", path, _file_digest(path, st))
-        if os.path.isdir(path):  # a series directory (DICOM): its files by content, its directories by name
+        if stat.S_ISDIR(st.st_mode):  # a series directory (DICOM): its files by content, its directories by name
             entries = []
             with os.scandir(path) as it:
                 for e in sorted(it, key=lambda e: e.name):
