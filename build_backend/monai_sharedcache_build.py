@@ -731,7 +731,9 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
                     stat += f"\n {fp.path} (MONAI's docs) | +{plus}"
             header = f"From: {PATCH_AUTHOR}\nSubject: [PATCH {st.number:02d}/{len(stages)}] {st.title}\n\n"
             patch_path = out_dir / f"{st.name}.patch"
-            patch_path.write_text(header + "\n".join(d.strip() + "\n" for d in descriptions) + "\n" + diff)
+            signed = f"\nSigned-off-by: {PATCH_AUTHOR}\n"  # MONAI's DCO check (CONTRIBUTING.md): the author's sign-off
+            message = "\n".join(d.strip() + "\n" for d in descriptions) + signed
+            patch_path.write_text(header + message + "\n" + diff)
             md = write_pr_description(out_dir / f"{st.name}.md", st, sizes, stat, src_root)
             written += [patch_path, md]
             summary.append({"name": st.name, "title": st.title, "code": sizes["code"], "docs": sizes["docs"],

@@ -102,6 +102,8 @@ class TestTransformsFingerprint(unittest.TestCase):
             "body": "K = 2\ndef f(x, k=1):\n    return x * K * k + 1\n",
             "constant": "K = 3\ndef f(x, k=1):\n    return x * K * k\n",
             "default": "K = 2\ndef f(x, k=2):\n    return x * K * k\n",
+            "cached": "import functools\nK = 2\n@functools.lru_cache\ndef f(x, k=1):\n    return x * K * k\n",
+            "cached, body": "import functools\nK = 2\n@functools.lru_cache\ndef f(x, k=1):\n    return x * K + k\n",
         }
         digests = {}
         for name, body in versions.items():

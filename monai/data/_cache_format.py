@@ -39,11 +39,8 @@ _ALIGN = 64
 _SMALL_FILE = 64 * 1024  # smaller files are read into memory, larger ones mapped
 _GPU = "SharedCacheStore stores CPU tensors only, got one on {}: keep the cached transforms on the CPU and move the "
 _GPU += "data to the GPU after them, e.g. with EnsureTyped(keys, device=...) after the first random transform."
-UNSTORABLE = (  # what to do about an item that pickle cannot store, or that holds a tensor off the CPU
-    "Such items are computed without being stored. To cache them, keep the cached transforms on the CPU and move the "
-    "data to the device after them (EnsureTyped(keys, device=...) after the first random transform), or cache them "
-    "per rank with runtime_cache=False."
-)
+UNSTORABLE = "Such items are computed without being stored. To cache them, keep the cached transforms on the CPU (move "
+UNSTORABLE += "the data to the device after them), or cache them per rank with runtime_cache=False."
 
 
 class CorruptItemError(Exception):

@@ -251,6 +251,8 @@ class _KeyPickler(pickle.Pickler):
             return self._by_code(obj, _function_parts)
         if isinstance(obj, type):
             return self._by_code(obj, _class_parts)
+        if isinstance(getattr(obj, "__wrapped__", None), types.FunctionType):  # functools.lru_cache, say
+            return tuple, (("wrapped", type(obj).__qualname__, obj.__wrapped__),)
         return NotImplemented
 
     def _library(self, module: str) -> bool:
