@@ -320,8 +320,8 @@ def _file_digest(path: str, st: os.stat_result) -> bytes:
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    after = os.stat(path)
-    if _stat_data(after) != data:  # written while read: a digest of no version, never kept
+        after = os.fstat(f.fileno())  # the file that was read, whatever its name points to now
+    if _stat_data(after) != data:  # replaced or written while read: a digest of no version, never kept
         return b"changed while read " + uuid.uuid4().bytes
     if started - st.st_mtime_ns > RACY_SECONDS * 1e9:
         with _digests_lock:
@@ -363,7 +363,8 @@ def stamp_files(entry: Any) -> Any:
         the stamped entry, for a content key such as ``pickle_hashing(stamp_files(entry))``.
     """
     if isinstance(entry, (str, os.PathLike)):
-        stamp = _stamp(os.fspath(entry)) if isinstance(os.fspath(entry), str) else None
+        name = os.fspath(entry)
+        stamp = _stamp(name) if isinstance(name, str) else None
         return entry if stamp is None else stamp
     if isinstance(entry, Mapping):
         return {k: stamp_files(v) for k, v in entry.items()}
