@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, transforms_hashing
+from monai.data import CacheDataset, SharedCacheStore, transforms_hashing
 from monai.data._cache_keys import stamp_files, transforms_fingerprint
 from monai.transforms import Compose, Lambda, Transform
 
@@ -68,6 +68,23 @@ class Load(Transform):
     def calls(self) -> int:
         with open(self.log) as f:
             return len(f.read().split())
+
+
+def _other_pipelines(messages: list) -> list[str]:
+    return [str(m.message) for m in messages if "with other cached transforms" in str(m.message)]
+
+
+def _run_pipeline(path: str, member: object, ready, go, results) -> None:
+    """In a child process: cache 4 inputs in the store ``path`` with ``Holds(member)``, once ``go`` is set."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store = SharedCacheStore(path)
+        ds = CacheDataset(list(range(4)), Compose([Holds(member), Scale()]), runtime_cache=store, progress=False)
+        ready.set()
+        go.wait(TIMEOUT)
+        values = [ds[i] for i in range(4)]
+        store.close()
+    results.put((values, ds.cache_stats()["process"]["computed"], _other_pipelines(caught)))
 
 
 def fingerprint_in_new_interpreter(code: str, seed: str) -> str:
@@ -168,6 +185,73 @@ class TestTransformsFingerprint(unittest.TestCase):
             warnings.simplefilter("error")  # a fingerprint of the user's own: no warning
             ds = CacheDataset(data, Compose([Holds(a)]), runtime_cache=[], hash_transform=lambda t: b"mine")
         self.assertTrue(ds._runtime_keys[0].endswith("-mine"))
+
+
+@unittest.skipUnless(SharedCacheStore.supported, "the store needs fcntl")
+class TestProcessesOfOneStore(unittest.TestCase):
+    """Processes (ranks, say) that cache the same inputs in one store: they share, or are told why they cannot."""
+
+    def run_two(self, member, child_member):
+        """This process and a spawned child cache 4 inputs, holding ``member`` and ``child_member``."""
+        ctx = multiprocessing.get_context("spawn")
+        ready, go, results = ctx.Event(), ctx.Event(), ctx.Queue()
+        store = SharedCacheStore()
+        self.addCleanup(store.close)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ds = CacheDataset(list(range(4)), Compose([Holds(member), Scale()]), runtime_cache=store, progress=False)
+            child = ctx.Process(target=_run_pipeline, args=(store.path, child_member, ready, go, results))
+            child.start()
+            try:
+                self.assertTrue(ready.wait(TIMEOUT))  # both have made their datasets, as ranks before training
+                go.set()
+                values = [ds[i] for i in range(4)]
+                child_values, child_computed, child_told = results.get(timeout=TIMEOUT)
+            finally:
+                child.join(TIMEOUT)
+                if child.is_alive():
+                    child.kill()
+        self.assertEqual(child.exitcode, 0)
+        self.assertEqual(values, [0, 2, 4, 6])
+        self.assertEqual(child_values, [0, 2, 4, 6])
+        computed = ds.cache_stats()["process"]["computed"] + child_computed
+        return computed, _other_pipelines(caught), child_told
+
+    def test_one_value_made_before_both_is_shared(self):
+        """Processes that hold one ``multiprocessing.Value`` made before them compute each item once, untold."""
+        value = multiprocessing.get_context("spawn").Value("d", 2.0)
+        self.assertEqual(self.run_two(value, value), (4, [], []))
+
+    def test_pipelines_that_differ_in_one_member_are_told_which(self):
+        computed, told, child_told = self.run_two("rank 0", "rank 1")
+        self.assertEqual(computed, 8)  # once per pipeline: they cannot share
+        self.assertEqual((len(told), len(child_told)), (1, 1), (told, child_told))
+        for message in told + child_told:
+            self.assertIn("What differs: transform 0 (Holds), member member.", message)
+
+    def test_one_container_of_two_pipelines_is_told(self):
+        container: list = []
+        ds_a = CacheDataset([1, 2], Compose([Holds("a"), Scale()]), runtime_cache=container, progress=False)
+        ds_b = CacheDataset([1, 2], Compose([Holds("b"), Scale()]), runtime_cache=container, progress=False)
+        self.assertEqual(ds_a[0], 2)
+        with self.assertWarnsRegex(UserWarning, "item of the same input computed by other cached transforms"):
+            self.assertEqual(ds_b[0], 2)
+
+    @parameterized.expand(
+        [
+            ("unpicklable", lambda x: threading.Lock(), lambda item: isinstance(item, type(threading.Lock()))),
+            ("meta", lambda x: torch.empty(x, device="meta"), lambda item: item.device.type == "meta"),
+        ]
+    )
+    def test_an_item_that_cannot_be_stored_is_returned(self, _, fn, is_item):
+        """An unpicklable item, and one on the meta device (a stand-in for CUDA), are returned uncached."""
+        store = SharedCacheStore()
+        self.addCleanup(store.close)
+        ds = CacheDataset([1, 2], Compose([Lambda(fn)]), runtime_cache=store, progress=False)
+        with self.assertWarnsRegex(RuntimeWarning, "runtime_cache=False"):
+            self.assertTrue(is_item(ds[0]))
+        self.assertTrue(is_item(ds[0]))
+        self.assertEqual(ds.cache_stats()["cache"]["refused"], 2)
 
 
 class TestFileStamps(unittest.TestCase):

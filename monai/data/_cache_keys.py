@@ -50,7 +50,15 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-__all__ = ["STATELESS_TYPES", "RACY_SECONDS", "Fingerprint", "transforms_fingerprint", "stamp_files", "library_version"]
+__all__ = [
+    "STATELESS_TYPES",
+    "RACY_SECONDS",
+    "PROCESS_TOKEN",
+    "Fingerprint",
+    "transforms_fingerprint",
+    "member_digests",
+]
+__all__ += ["pipeline_difference", "stamp_files", "library_version"]
 
 # members whose state cannot change an item: they count by their type alone, so that processes still share items
 STATELESS_TYPES: tuple[type, ...] = (
@@ -72,6 +80,7 @@ except ImportError:
 
 RACY_SECONDS = 2.0  # a file modified this shortly before it was hashed may change again unseen: hashed again later
 _PROCESS_SALT = uuid.uuid4().bytes  # makes a fingerprint with a private member private to this process (and forks)
+PROCESS_TOKEN = hashlib.sha256(_PROCESS_SALT + b"token").hexdigest()[:16]  # names this process (and forks) in notes
 _MAIN = ("__main__", "__mp_main__")  # a script, as run and as a spawned child re-imports it
 _PLAIN = (str, bytes, int, float, bool, type(None), tuple, list, dict, complex)
 # class members that cannot change an item: what pickle, abc and the compiler (line numbers) add
@@ -302,6 +311,39 @@ def transforms_fingerprint(transforms: Sequence[Any]) -> Fingerprint:
     if context.private:
         digest.update(_PROCESS_SALT)
     return Fingerprint(digest.hexdigest(), tuple(parts), tuple(dict.fromkeys(context.private)))
+
+
+def member_digests(obj: Any) -> dict[str, str]:
+    """
+    A short digest of each attribute of ``obj`` (each key of a mapping), hashed as by
+    :py:func:`transforms_fingerprint`: what another process compares to tell which member of a transform differs.
+    """
+    members = obj if isinstance(obj, Mapping) else getattr(obj, "__dict__", None) or {}
+    context, digests = _Context(), {}
+    for name, value in members.items():
+        try:
+            digests[str(name)] = context.digest(value).hex()[:16]
+        except Exception:  # a failing __getstate__, say
+            digests[str(name)] = "unpicklable"
+    return digests
+
+
+def pipeline_difference(mine: Sequence[Any], theirs: Sequence[Any]) -> str:
+    """
+    What differs between two pipelines, each described by a ``(name, digest, member_digests(transform))`` per
+    transform: the transforms or their members, "here" (``mine``) and "there" (``theirs``).
+    """
+    if len(mine) != len(theirs):
+        return f"{len(mine)} cached transforms here, {len(theirs)} there"
+    found = []
+    for (name, digest, members), (other, other_digest, other_members) in zip(mine, theirs):
+        if name != other:
+            found.append(f"{name} here, {other} there")
+        elif digest != other_digest:
+            names = sorted(set(members) | set(other_members))
+            differ = [n for n in names if members.get(n) != other_members.get(n)]
+            found.append(f"{name}, member{'s' * (len(differ) > 1)} {', '.join(differ)}" if differ else name)
+    return "; ".join(found[:3]) + ("; ..." if len(found) > 3 else "") if found else "the libraries' versions"
 
 
 def _stat_data(st: os.stat_result) -> tuple[int, ...]:

@@ -12,7 +12,8 @@
 PR 11's keys across separate interpreter runs of one training script on a persistent store: every edit that can
 change an item (a module function, a method, a global constant, a default argument and a closure value in
 ``__main__``, a ``multiprocessing.Value``, a file rewritten in place) is recomputed, and a run where nothing changed
-(another ``PYTHONHASHSEED`` included) computes nothing; 2 gloo ranks with other hash seeds compute each item once.
+(another ``PYTHONHASHSEED`` included) computes nothing; 2 gloo ranks with other hash seeds compute each item once,
+and 2 ranks whose pipelines differ in one member are each told which.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Helper:
 
 # one run: how many items this process computed, and how many it served that differ from a direct computation
 SCRIPT = """
-import json, logging, multiprocessing, os, sys, threading
+import json, logging, multiprocessing, os, sys, threading, warnings
 import numpy as np
 import torch
 from monai.data import CacheDataset, SharedCacheStore, create_shared_cache
@@ -79,7 +80,8 @@ MEMBERS = {{"lock": threading.Lock, "logger": lambda: logging.getLogger("run")}}
 MEMBERS.update(value2=lambda: multiprocessing.Value("d", 2.0), value3=lambda: multiprocessing.Value("d", 3.0))
 
 if __name__ == "__main__":
-    store_path, member, data = sys.argv[1], sys.argv[2], sys.argv[3:]
+    store_path, members, data = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
+    member = members[int(os.environ.get("RANK", 0)) % len(members)]  # "lock,logger": each rank its own
     if os.environ.get("RANK"):
         import torch.distributed as dist
 
@@ -88,9 +90,14 @@ if __name__ == "__main__":
     else:
         store = SharedCacheStore(store_path, persistent=True)
     t = Compose([Pipeline(MEMBERS[member]())])
-    ds = CacheDataset(data, t, runtime_cache=store, progress=False)
-    bad = sum(not torch.equal(ds[i], t.transforms[0](p)) for i, p in enumerate(data))
-    print(json.dumps({{"computed": ds.cache_stats()["process"]["computed"], "bad": bad}}), flush=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = CacheDataset(data, t, runtime_cache=store, progress=False)
+        if os.environ.get("RANK"):
+            dist.barrier()  # as DDP's model setup: both ranks have made their datasets
+        bad = sum(not torch.equal(ds[i], t.transforms[0](p)) for i, p in enumerate(data))
+    told = [str(w.message) for w in caught if "with other cached transforms" in str(w.message)]
+    print(json.dumps({{"computed": ds.cache_stats()["process"]["computed"], "bad": bad, "told": told}}), flush=True)
     if os.environ.get("RANK"):
         dist.barrier()
         store.close()
@@ -128,6 +135,7 @@ class TestKeysAcrossRuns(unittest.TestCase):
         out = subprocess.run(cmd, env=self.env(seed), cwd=cwd or self.tmp, capture_output=True, text=True, timeout=300)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         facts = json.loads(out.stdout.strip().splitlines()[-1])
+        self.assertEqual(facts["told"], [])  # the notes of earlier runs are not of this one
         return facts["computed"], facts["bad"]
 
     def test_an_edit_recomputes_and_nothing_changed_computes_nothing(self):
@@ -163,12 +171,13 @@ class TestKeysAcrossRuns(unittest.TestCase):
         self.assertEqual(self.run_script("value2", data=["img.npy"], cwd=os.path.join(self.tmp, "a")), (1, 0))
         self.assertEqual(self.run_script("value2", data=["img.npy"], cwd=os.path.join(self.tmp, "b")), (1, 0))
 
-    def test_two_ranks_with_other_hash_seeds_compute_each_item_once(self):
-        """torchrun-style: 2 gloo ranks on one node, each with its own PYTHONHASHSEED, one store: N computations."""
+    def run_ranks(self, members: str) -> list[dict]:
+        """2 gloo ranks on one node, torchrun-style, each with its own PYTHONHASHSEED, one store."""
         self.write()
-        cmd = [sys.executable, os.path.join(self.tmp, "run.py"), os.path.join(self.tmp, "root"), "lock", *self.data]
-        os.makedirs(os.path.join(self.tmp, "root"), mode=0o700)
-        init = os.path.join(self.tmp, "init")
+        root = os.path.join(self.tmp, f"root-{members}")
+        os.makedirs(root, mode=0o700)
+        cmd = [sys.executable, os.path.join(self.tmp, "run.py"), root, members, *self.data]
+        init = os.path.join(self.tmp, f"init-{members}")
         procs = []
         try:
             for rank in range(2):
@@ -184,8 +193,20 @@ class TestKeysAcrossRuns(unittest.TestCase):
                     p.wait(TIMEOUT)
         self.assertEqual([p.returncode for p in procs], [0, 0], [e[-3000:] for _, e in outs])
         facts = [json.loads(o.decode().strip().splitlines()[-1]) for o, _ in outs]
-        self.assertEqual(sum(f["computed"] for f in facts), N, facts)
         self.assertEqual([f["bad"] for f in facts], [0, 0])
+        return facts
+
+    def test_two_ranks_with_other_hash_seeds_compute_each_item_once(self):
+        facts = self.run_ranks("lock")
+        self.assertEqual(sum(f["computed"] for f in facts), N, facts)
+        self.assertEqual([f["told"] for f in facts], [[], []])
+
+    def test_two_ranks_whose_pipelines_differ_in_one_member_are_told(self):
+        facts = self.run_ranks("lock,logger")  # a member of another type on each rank
+        self.assertEqual(sum(f["computed"] for f in facts), 2 * N, facts)  # each item once per pipeline
+        for f in facts:
+            self.assertEqual(len(f["told"]), 1, facts)
+            self.assertIn("What differs: transform 0 (Pipeline), member member.", f["told"][0])
 
 
 def backdate(path: str) -> None:
