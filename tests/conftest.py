@@ -28,6 +28,7 @@ _EVERY_MODE = (
     "tests/fork/test_conventions.py",
     "tests/test_cachedataset_keys.py",  # keys: in-process, and interpreters started by subprocess
     "tests/fork/test_keys_extended.py",  # interpreters started by subprocess, no DataLoader worker
+    "tests/fork/test_runtime_cache_extended.py::TestSizing::test_concurrent_resize",  # fork if it can; a ListProxy
 )
 _SPAWN_ALSO = (
     # DataLoader workers under each start method by parameter, ranks by torch's spawn; no store (nofcntl differs:

@@ -51,6 +51,9 @@ class Counters:
         self._slot = [0] * len(FIELDS)  # what its slot holds: the counts of the slot's earlier holders, plus those
         self._held: locks.Held | None = None
         _ALL.add(self)
+        if not _HOOKED and hasattr(os, "register_at_fork"):  # at the first counts made, never at import
+            _HOOKED.append(True)
+            os.register_at_fork(after_in_child=_after_fork_in_child)
 
     def _attach(self) -> None:
         """Take a slot, at the first event of this process."""
@@ -132,5 +135,4 @@ def _after_fork_in_child() -> None:
 
 
 _ALL: weakref.WeakSet[Counters] = weakref.WeakSet()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+_HOOKED: list = []  # whether the at-fork hook is registered

@@ -49,6 +49,7 @@ class Held:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         _HELD.add(self)
+        _close_in_forked_children()
 
     def close(self) -> bool:
         """Close the descriptor, releasing the lock; ``False`` if this process did not hold it."""
@@ -60,8 +61,14 @@ class Held:
 
 
 _HELD: weakref.WeakSet[Held] = weakref.WeakSet()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: [held.close() for held in list(_HELD)])
+_HOOKED: list = []  # whether the at-fork hook is registered: at the first lock held, never at import
+
+
+def _close_in_forked_children() -> None:
+    """A forked child closes the locks it inherited: they are its parent's, released when the parent leaves."""
+    if not _HOOKED and hasattr(os, "register_at_fork"):
+        _HOOKED.append(True)
+        os.register_at_fork(after_in_child=lambda: [held.close() for held in list(_HELD)])
 
 
 def unlink_quiet(path: str) -> None:

@@ -181,12 +181,18 @@ class _MappingPool:
 
 
 POOL = _MappingPool()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=POOL.after_fork_in_child)
-# the one place that decides: Linux (page tables in /proc/self/pagemap) and libc's mmap, unless turned off
-ENABLED = (
-    sys.platform.startswith("linux") and os.environ.get("MONAI_CACHE_FAST_PATH", "1") != "0" and _libc() is not None
-)
+
+
+def __getattr__(name: str) -> Any:
+    """``ENABLED``, decided at its first use (a store's first read), never at import: nothing loads libc before."""
+    if name != "ENABLED":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # the one place that decides: Linux (page tables in /proc/self/pagemap) and libc's mmap, unless turned off
+    enabled = sys.platform.startswith("linux") and os.environ.get("MONAI_CACHE_FAST_PATH", "1") != "0"
+    globals()["ENABLED"] = enabled = enabled and _libc() is not None
+    if enabled and hasattr(os, "register_at_fork"):  # the pool is used from now on
+        os.register_at_fork(after_in_child=POOL.after_fork_in_child)
+    return enabled
 
 
 def _is_current(ident: tuple) -> bool:

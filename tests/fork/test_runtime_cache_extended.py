@@ -200,7 +200,7 @@ class TestSizing(ManagerTestCase):
         interleave. With different ones (datasets over other data sharing a container) its length may end anywhere:
         then every item read is still right, and the next dataset built on it resizes it exactly.
         """
-        ctx = multiprocessing.get_context()
+        ctx = multiprocessing.get_context(START_METHODS[0])  # the start method changes nothing here: fork if it can
         for trial in range(3):
             cache = self.manager.list([None] * (trial * 7))
             start = ctx.Barrier(len(rates))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import gc
 import hashlib
+import json
 import multiprocessing
 import os
 import pickle
@@ -422,6 +423,43 @@ own = SharedCacheStore(root=sys.argv[1])
 own.put("x", torch.ones(2))
 print(float(item["img"].sum()), item["img"].affine[0, 0].item(), own.path, flush=True)
 """
+
+
+_UNTIL_A_STORE = """
+import json
+import numpy as np
+import monai
+from monai.data import CacheDataset, SharedCacheStore
+from monai.data import _cache_counters, _cache_locks, _cache_pool
+from monai.transforms import Compose, Lambda
+
+
+def hooks():
+    return [bool(_cache_locks._HOOKED), bool(_cache_counters._HOOKED), "ENABLED" in vars(_cache_pool), _cache_pool._LIBC_LOADED]
+
+
+ds = CacheDataset([np.zeros(2)] * 4, Compose([Lambda(lambda x: x + 1)]), progress=False)
+eager = [float(ds[i][0]) for i in range(4)], hooks()
+store = SharedCacheStore()
+ds = CacheDataset([np.zeros(2**21)] * 2, Compose([Lambda(lambda x: x + 1)]), runtime_cache=store, progress=False)
+used = [float(ds[i][0]) for i in range(2)] + [float(ds[i][0]) for i in range(2)], hooks()
+store.close()
+print(json.dumps([eager, used]))
+"""
+
+
+@skip_unless_store
+class TestNothingUntilAStore(unittest.TestCase):
+    def test_import_and_the_eager_path_register_no_hook_and_load_no_libc(self):
+        """``import monai`` and ``runtime_cache=False`` register no at-fork hook and load no libc; a store does."""
+        out = subprocess.run([sys.executable, "-c", _UNTIL_A_STORE], capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        (eager, eager_hooks), (used, used_hooks) = json.loads(out.stdout.strip().splitlines()[-1])
+        self.assertEqual((eager, eager_hooks), ([1.0] * 4, [False] * 4))
+        self.assertEqual(used, [1.0] * 4)
+        self.assertEqual(used_hooks[:2], [True, True])  # the locks and counts of a store: closed in forked children
+        if sys.platform.startswith("linux"):
+            self.assertEqual(used_hooks[2:], [True, True])  # a large item's read decided on the fast path
 
 
 @skip_unless_store
