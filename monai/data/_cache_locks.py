@@ -67,8 +67,7 @@ _HOOKED: list = []  # whether the at-fork hook is registered: at the first lock 
 def _close_in_forked_children() -> None:
     """A forked child closes the locks it inherited: they are its parent's, released when the parent leaves."""
     if not _HOOKED and hasattr(os, "register_at_fork"):
-        _HOOKED.append(True)
-        os.register_at_fork(after_in_child=lambda: [held.close() for held in list(_HELD)])
+        _HOOKED.append(os.register_at_fork(after_in_child=lambda: [held.close() for held in list(_HELD)]))
 
 
 def unlink_quiet(path: str) -> None:
