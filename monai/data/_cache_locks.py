@@ -64,10 +64,10 @@ _HELD: weakref.WeakSet[Held] = weakref.WeakSet()
 _HOOKED: list = []  # whether the at-fork hook is registered: at the first lock held, never at import
 
 
-def _close_in_forked_children() -> None:
-    """A forked child closes the locks it inherited: they are its parent's, released when the parent leaves."""
+def _close_in_forked_children() -> None:  # in a forked child, the inherited locks are its parent's: closed
     if not _HOOKED and hasattr(os, "register_at_fork"):
-        _HOOKED.append(os.register_at_fork(after_in_child=lambda: [held.close() for held in list(_HELD)]))
+        _HOOKED.append(True)
+        os.register_at_fork(after_in_child=lambda: [held.close() for held in list(_HELD)])
 
 
 def unlink_quiet(path: str) -> None:
