@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 ENV_RESERVE = "MONAI_CACHE_RESERVE_BYTES"  # the reserve of new stores, in bytes
 ENV_MAX_BYTES = "MONAI_CACHE_MAX_BYTES"  # the cap of new stores, in bytes
-_FILE = ".budget"
+BUDGET_FILE = ".budget"
 _RESCAN = 1.0  # seconds between two scans of the store's size, per process
 
 
@@ -43,7 +43,7 @@ def check_bytes(name: str, value: int | None) -> int | None:
     return value
 
 
-def _env_bytes(name: str) -> int | None:
+def env_bytes(name: str) -> int | None:
     value = os.environ.get(name, "").strip()
     if not value:
         return None
@@ -62,9 +62,9 @@ class Budget:
     @classmethod
     def create(cls, path: str, reserve: int | None, max_bytes: int | None) -> None:
         """Record the budget of a new store; ``None`` takes the environment variable, then the default."""
-        reserve = _env_bytes(ENV_RESERVE) if reserve is None else reserve
-        max_bytes = _env_bytes(ENV_MAX_BYTES) if max_bytes is None else max_bytes
-        fd = os.open(os.path.join(path, _FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        reserve = env_bytes(ENV_RESERVE) if reserve is None else reserve
+        max_bytes = env_bytes(ENV_MAX_BYTES) if max_bytes is None else max_bytes
+        fd = os.open(os.path.join(path, BUDGET_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"reserve": reserve, "max_bytes": max_bytes}, f)
 
@@ -72,7 +72,7 @@ class Budget:
     def load(cls, path: str) -> Budget:
         """The budget recorded in the store ``path`` (the defaults if none can be read)."""
         try:
-            with open(os.path.join(path, _FILE)) as f:
+            with open(os.path.join(path, BUDGET_FILE)) as f:
                 recorded = json.load(f)
             return cls(path, recorded.get("reserve"), recorded.get("max_bytes"))
         except (OSError, ValueError, AttributeError):

@@ -33,7 +33,7 @@ from monai.data import _cache_locks as locks
 FIELDS = ("hits", "misses", "computed", "refused")
 HITS, MISSES, COMPUTED, REFUSED = range(len(FIELDS))
 _SLOT = struct.Struct(f"<{len(FIELDS)}q")
-_DIR = ".counters"
+SLOTS_DIR = ".counters"
 _MAX_SLOTS = 4096
 
 
@@ -44,7 +44,7 @@ class Counters:
     """
 
     def __init__(self, path: str | None = None) -> None:
-        self._dir = None if path is None else os.path.join(path, _DIR)
+        self._dir = None if path is None else os.path.join(path, SLOTS_DIR)
         self._lock = threading.Lock()
         self._pid = -1
         self._local = [0] * len(FIELDS)  # the events of this process

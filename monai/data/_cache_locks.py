@@ -37,7 +37,7 @@ except ImportError:  # Windows
 AVAILABLE = fcntl is not None
 ENV_ROOT = "MONAI_CACHE_ROOT"  # where new stores are created, instead of /dev/shm
 PREFIX = "monai-cache-"
-_LOCK = ".lock"
+LOCK_FILE = ".lock"
 _PATIENCE = 0.25  # seconds a leaver waits for children forked just before to close their copy of its lock
 _POLL_MIN, _POLL_MAX = 0.001, 0.05
 _OPEN = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
@@ -121,7 +121,7 @@ def try_hold(path: str, flags: int = 0, shared: bool = False) -> Held | None:
 
 def create(path: str) -> Held:
     """Make the lock file of the new store ``path``, and participate."""
-    held = Held(os.open(os.path.join(path, _LOCK), _OPEN | os.O_CREAT | os.O_EXCL, 0o600))
+    held = Held(os.open(os.path.join(path, LOCK_FILE), _OPEN | os.O_CREAT | os.O_EXCL, 0o600))
     fcntl.flock(held.fd, fcntl.LOCK_SH)
     return held
 
@@ -133,7 +133,7 @@ def join(path: str) -> Held:
     Raises:
         FileNotFoundError: the store is gone, or being removed (only a remover holds its lock exclusively).
     """
-    held = try_hold(os.path.join(path, _LOCK), shared=True)
+    held = try_hold(os.path.join(path, LOCK_FILE), shared=True)
     if held is None:
         raise FileNotFoundError(errno.ENOENT, "the store is being removed", path)
     return held
@@ -144,7 +144,7 @@ def _remove_if_unheld(path: str, patience: float = 0.0) -> bool:
     deadline = time.monotonic() + patience
     while True:
         try:
-            held = try_hold(os.path.join(path, _LOCK))
+            held = try_hold(os.path.join(path, LOCK_FILE))
         except OSError:
             return False
         if held is not None:

@@ -103,11 +103,11 @@ def write_budget(path: str, reserve: int | None, max_bytes: int | None) -> None:
     Record the budget of the persistent store ``path``: the values given replace the recorded ones, the others stay.
     A new store's reserve is, by default, at least a tenth of its file system: a disk holds checkpoints and logs too.
     """
-    record = os.path.join(path, budget._FILE)
+    record = os.path.join(path, budget.BUDGET_FILE)
     old = budget.Budget.load(path) if os.path.exists(record) else None
     if old is None:
-        reserve = budget._env_bytes(budget.ENV_RESERVE) if reserve is None else reserve
-        max_bytes = budget._env_bytes(budget.ENV_MAX_BYTES) if max_bytes is None else max_bytes
+        reserve = budget.env_bytes(budget.ENV_RESERVE) if reserve is None else reserve
+        max_bytes = budget.env_bytes(budget.ENV_MAX_BYTES) if max_bytes is None else max_bytes
         if reserve is None:
             st = os.statvfs(path)
             total = st.f_blocks * st.f_frsize
@@ -228,11 +228,11 @@ def join(path: str) -> tuple[locks.Held, int]:
     system's clock, in ns). The first participant after none starts a session: it gives up the counts of the gone
     processes of the last one, and touches ``.session``.
     """
-    held = locks.Held(os.open(os.path.join(path, locks._LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    held = locks.Held(os.open(os.path.join(path, locks.LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
     try:
         session = os.path.join(path, _SESSION)
         if _lock(held.fd, fcntl.LOCK_EX, 0.0):  # no one else uses the store: a new session
-            slots = os.path.join(path, counters._DIR)
+            slots = os.path.join(path, counters.SLOTS_DIR)
             for name in os.listdir(slots) if os.path.isdir(slots) else []:
                 slot = locks.try_hold(os.path.join(slots, name))
                 if slot is not None:  # not held by a live process, such as a last DataLoader worker
