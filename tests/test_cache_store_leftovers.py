@@ -55,6 +55,13 @@ def _backdate(path: str, seconds: float) -> None:
 
 
 @needs_store
+def _made(root: str) -> str:
+    """A store directory as its creator makes it first: private, with the mark of a store, and no lock file yet."""
+    path = tempfile.mkdtemp(prefix=locks.PREFIX, dir=root)
+    os.close(os.open(os.path.join(path, ".monai-cache"), os.O_WRONLY | os.O_CREAT, 0o600))
+    return path
+
+
 class TestLeftovers(unittest.TestCase):
     def setUp(self) -> None:
         self.root = tempfile.mkdtemp()
@@ -88,14 +95,14 @@ class TestLeftovers(unittest.TestCase):
         self.assertEqual(os.listdir(self.root), left)
 
     def test_directory_without_lock_file(self):
-        creating = tempfile.mkdtemp(prefix=locks.PREFIX, dir=self.root)  # its creator may be making it, or died
+        creating = _made(self.root)  # its creator may be making it, or died
         os.mkdir(os.path.join(self.root, "not-a-store"))
         _backdate(os.path.join(self.root, "not-a-store"), 2 * LONG)
         with mock.patch.object(locks, "_MIN_AGE", LONG):
             self.assertEqual(locks.cleanup_leftovers(self.root), [])  # young: kept
             _backdate(creating, 2 * LONG)
             self.assertEqual(locks.cleanup_leftovers(self.root), [creating])
-        creating = tempfile.mkdtemp(prefix=locks.PREFIX, dir=self.root)
+        creating = _made(self.root)
         _backdate(creating, 60)  # a minute is old enough with the real minimum age
         self.assertEqual(locks.cleanup_leftovers(self.root), [creating])
         self.assertEqual(os.listdir(self.root), ["not-a-store"])  # only stores are removed
