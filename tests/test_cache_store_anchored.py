@@ -123,9 +123,12 @@ class TestAnchoredStore(unittest.TestCase):
         with open(os.path.join(store.path, "k.item"), "wb") as f:
             f.write(b"not an item")
         self.assertEqual(store.get("k"), "mine")  # read from the store's own directory, wherever it is now
-        with self.assertWarnsRegex(RuntimeWarning, "gone or replaced"):
-            copy = pickle.loads(pickle.dumps(store))  # what a spawned DataLoader worker gets
-        self.assertEqual((copy.get("k", "miss"), copy.put("k", 1)), ("miss", False))
+        with self.assertRaisesRegex(PermissionError, "refusing .*not a directory that a store made"):
+            pickle.loads(pickle.dumps(store))  # what a spawned DataLoader worker gets: it opens the path anew
+        with open(os.path.join(store.path, ".monai-cache"), "w"):  # even with the mark, it is not the same directory
+            pass
+        with self.assertRaisesRegex(PermissionError, "no longer the directory of the store that was pickled"):
+            pickle.loads(pickle.dumps(store))
         with open(os.path.join(store.path, "k.item"), "rb") as f:
             self.assertEqual(f.read(), b"not an item")
         shutil.rmtree(store.path)

@@ -38,6 +38,27 @@ def _refused_elsewhere(path: str) -> None:
         assert store.get_or_compute("child", lambda: np.ones(40_000)).sum() == 40_000  # refused, still returned
 
 
+def _writer(path: str, start, name: str) -> None:
+    store = SharedCacheStore(path)
+    start.wait(TIMEOUT)  # all writers at once: each must see the others' bytes before its next write
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(6):
+            store.put(f"{name}-{i}", np.full(2**17, float(i)))  # 1 MiB each
+    store.close()
+
+
+def _killed_writer(path: str) -> None:
+    from monai.data import _cache_format
+
+    def die(fd, chunks):
+        os.write(fd, b"partial")
+        os._exit(9)
+
+    _cache_format.write_item = die
+    SharedCacheStore(path).put("killed", np.ones(40_000))
+
+
 def _warnings(caught: list) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
 
@@ -80,6 +101,40 @@ class TestBudget(unittest.TestCase):
         self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
         proc.join(TIMEOUT)
         self.assertEqual((proc.exitcode, len(self.items(store))), (0, 3))
+
+    def test_cap_holds_for_all_writers(self):
+        store = self.new_store(max_bytes=8 * 2**20, reserve=0)
+        ctx = multiprocessing.get_context("spawn")
+        start = ctx.Barrier(4)
+        procs = [ctx.Process(target=_writer, args=(store.path, start, f"w{i}")) for i in range(4)]
+        for p in procs:
+            p.start()
+            self.addCleanup(lambda p=p: (p.is_alive() and p.kill(), p.join(TIMEOUT)))
+        for p in procs:
+            p.join(TIMEOUT)
+        self.assertEqual([p.exitcode for p in procs], [0] * 4)
+        sizes = [os.path.getsize(os.path.join(store.path, n)) for n in self.items(store)]
+        self.assertLessEqual(sum(sizes), 8 * 2**20)  # 24 MiB offered by 4 processes
+        self.assertEqual(len(sizes), 7)  # 8 items of 1 MiB and their headers do not fit: 7 do
+
+    def test_bytes_given_back(self):
+        store = self.new_store(max_bytes=2 * ITEM + 2 * 4096, reserve=0)
+        self.assertTrue(store.put("a", np.ones(40_000)) and store.put("a", np.zeros(40_000)))  # replaced: counted once
+        self.assertTrue(store.put("b", np.ones(40_000)))
+        self.assertIn("max_bytes", self.refuse(store, np.ones(40_000)))
+        store.discard(["a"])
+        proc = multiprocessing.get_context("spawn").Process(target=_killed_writer, args=(store.path,))
+        proc.start()
+        self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
+        proc.join(TIMEOUT)
+        self.assertEqual(proc.exitcode, 9)  # died while writing: the room of a it had counted
+        (dead,) = os.listdir(os.path.join(store.path, ".tmp"))
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            self.assertFalse(store.put("c", np.ones(40_000)))  # its file is young: it may still be writing
+        os.utime(os.path.join(store.path, ".tmp", dead), (1, 1))
+        self.assertTrue(store.put("c", np.ones(40_000)))  # its file is removed and its bytes given back
+        self.assertEqual(os.listdir(os.path.join(store.path, ".tmp")), [])
 
     def test_reserve(self):
         full = self.new_store(reserve=2**62)  # more than any file system has free: nothing is stored

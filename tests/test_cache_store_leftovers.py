@@ -45,8 +45,16 @@ def _join_and_wait(path, event, conn) -> None:
 
 
 def _slow_writer(store: SharedCacheStore, conn) -> None:
-    real = os.pwrite  # each write is of a page, and tells the parent that the temporary file exists
-    os.pwrite = lambda fd, data, at: conn.send(1) or time.sleep(0.01) or real(fd, memoryview(data)[:4096], at)
+    real = os.pwrite  # each write of the item is of a page, and tells the parent that the temporary file exists
+
+    def slow(fd: int, data, at: int) -> int:
+        if memoryview(data).nbytes <= 8:  # not the item: the store's count of bytes (PR 05)
+            return real(fd, data, at)
+        conn.send(1)
+        time.sleep(0.01)
+        return real(fd, memoryview(data)[:4096], at)
+
+    os.pwrite = slow
     store.put("big", np.zeros(1 << 20, dtype=np.uint8))  # 256 slow writes: killed long before the end
 
 
@@ -54,7 +62,6 @@ def _backdate(path: str, seconds: float) -> None:
     os.utime(path, (time.time() - seconds,) * 2)
 
 
-@needs_store
 def _made(root: str) -> str:
     """A store directory as its creator makes it first: private, with the mark of a store, and no lock file yet."""
     path = tempfile.mkdtemp(prefix=locks.PREFIX, dir=root)
@@ -62,6 +69,7 @@ def _made(root: str) -> str:
     return path
 
 
+@needs_store
 class TestLeftovers(unittest.TestCase):
     def setUp(self) -> None:
         self.root = tempfile.mkdtemp()

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -233,6 +234,29 @@ class TestPersistentStore(DistTestCase):
         self.assertEqual(store.put("a", 1), True)
         with open(os.path.join(self.path, ".budget")) as f:
             self.assertEqual(f.read(), '{"reserve": 0, "max_bytes": 1000000000}')
+
+    @parameterized.expand([("full", errno.ENOSPC), ("read_only", errno.EROFS)])
+    def test_file_system_without_room_at_open(self, _, code):
+        with mock.patch.object(persist, "_write", side_effect=OSError(code, os.strerror(code))):
+            with self.assertWarnsRegex(RuntimeWarning, "cannot open the persistent store"):
+                store = self.open()  # the job goes on, without the cache
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once already
+            self.assertEqual(
+                (store.get_or_compute("k", lambda: 3), store.put("k", 1), store.get("k")), (3, False, None)
+            )
+        self.assertEqual(self.open().get_or_compute("k", lambda: 4), 4)  # with room again, a store as usual
+        self.assertEqual(self.open().get("k"), 4)
+
+    def test_budget_of_a_store_in_use_holds(self):
+        first = self.open(max_bytes=10**9, reserve=0)
+        with self.assertWarnsRegex(RuntimeWarning, "another run uses .* max_bytes=1000000000 \\(asked: 100\\)"):
+            second = self.open(max_bytes=100)  # a second job on the same store, while the first runs
+        self.assertTrue(second.put("a", np.ones(1000)))  # the first job's cap holds: not 100 bytes
+        second.close()
+        first.close()
+        self.open(max_bytes=100).close()  # alone: its budget is recorded
+        self.assertFalse(self.open().put("b", np.ones(1000)))
 
     @parameterized.expand([("directory", "", 0o777), ("directory", "", 0o750), ("item", ".item", 0o666)])
     def test_refuses_what_others_could_write(self, _, which, mode):

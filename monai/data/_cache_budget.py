@@ -17,19 +17,29 @@ The DataLoader hands every batch from a worker to the main process through share
 item that would leave less than a reserve free on its file system, nor one past an optional cap on its own size: such
 items are computed and returned without being stored. The default reserve is half the file system, at most 4 GiB (8
 workers x a prefetch of 2 x a 256 MiB batch).
+
+The cap holds for the store, not per process: the bytes of its items are counted in the store (``.used``, 8 bytes
+read and written under ``flock``), and a writer reserves an item's bytes there before it writes, so what one process
+writes every other one sees before its next write. A writer that dies gives its reservation back through its
+temporary file, whose name holds the bytes reserved: the cleaner of dead temporary files returns them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Callable
+import struct
+
+try:
+    import fcntl
+except ImportError:  # Windows: SharedCacheStore is not available, nothing here is called
+    fcntl = None  # type: ignore[assignment]
 
 ENV_RESERVE = "MONAI_CACHE_RESERVE_BYTES"  # the reserve of new stores, in bytes
 ENV_MAX_BYTES = "MONAI_CACHE_MAX_BYTES"  # the cap of new stores, in bytes
 BUDGET_FILE = ".budget"
-_RESCAN = 1.0  # seconds between two scans of the store's size, per process
+USED_FILE = ".used"  # the bytes of the store's items and of the writes under way, for all its processes
+_USED = struct.Struct("<q")
 
 
 def default_reserve(total: int) -> int:
@@ -53,11 +63,10 @@ def env_bytes(name: str) -> int | None:
 
 
 class Budget:
-    """The reserve and cap of one store, as its creator recorded them for all its users."""
+    """The reserve and cap of one store, as its creator recorded them for all its users, and its count of bytes."""
 
     def __init__(self, path: str, reserve: int | None = None, max_bytes: int | None = None) -> None:
         self.path, self.reserve, self.max_bytes = path, reserve, max_bytes
-        self._used, self._scanned = 0, -float("inf")
 
     @classmethod
     def create(cls, path: str, reserve: int | None, max_bytes: int | None) -> None:
@@ -78,8 +87,8 @@ class Budget:
         except (OSError, ValueError, AttributeError):
             return cls(path)
 
-    def room_for(self, nbytes: int, used: Callable[[], int]) -> str | None:
-        """``None`` if an item of ``nbytes`` may be written, else why not; ``used()`` scans the store's size."""
+    def room_for(self, nbytes: int) -> str | None:
+        """``None`` if an item of ``nbytes`` may be written, and its bytes are then counted; else why not."""
         try:
             st = os.statvfs(self.path)
         except (OSError, AttributeError):
@@ -92,13 +101,25 @@ class Budget:
                     f"its file system has {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, and "
                     f"{reserve / 2**20:.0f} MiB are kept free for the DataLoader's shared memory (reserve)"
                 )
-        if self.max_bytes is not None:
-            if time.monotonic() - self._scanned >= _RESCAN:
-                self._used, self._scanned = used(), time.monotonic()
-            if self._used + nbytes > self.max_bytes:
-                return f"the store holds {self._used / 2**20:.0f} MiB and its cap is max_bytes={self.max_bytes}"
+        used = self.count(nbytes, self.max_bytes)
+        if self.max_bytes is not None and used + nbytes > self.max_bytes:
+            return f"the store holds {used / 2**20:.0f} MiB and its cap is max_bytes={self.max_bytes}"
         return None
 
-    def written(self, nbytes: int) -> None:
-        """Count an item this process has just written, until the next scan."""
-        self._used += nbytes
+    def count(self, nbytes: int, cap: int | None = None) -> int:
+        """
+        Add ``nbytes`` (negative: bytes removed) to the store's count, unless that would pass ``cap``; the count before.
+
+        Raises:
+            OSError: the count cannot be opened, read or written.
+        """
+        fd = os.open(os.path.join(self.path, USED_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # per call:
+        try:  # threads too are kept apart by flock, which one descriptor shared by threads or a fork would not do
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            data = os.pread(fd, _USED.size, 0)
+            used = _USED.unpack(data)[0] if len(data) == _USED.size else 0
+            if cap is None or used + nbytes <= cap:
+                os.pwrite(fd, _USED.pack(max(0, used + nbytes)), 0)
+            return used
+        finally:
+            os.close(fd)  # and with it the lock

@@ -35,6 +35,7 @@ import json
 import os
 import stat
 import time
+import warnings
 from typing import Any
 
 from monai.data import _cache_budget as budget
@@ -222,16 +223,18 @@ def _lock(fd: int, how: int, timeout: float) -> bool:
             time.sleep(0.005)
 
 
-def join(path: str) -> tuple[locks.Held, int]:
+def join(path: str, reserve: int | None = None, max_bytes: int | None = None) -> tuple[locks.Held, int]:
     """
     Participate in the persistent store ``path``: the lock held, and the start of the current session (in the file
-    system's clock, in ns). The first participant after none starts a session: it gives up the counts of the gone
-    processes of the last one, and touches ``.session``.
+    system's clock, in ns). The first participant after none starts a session: it records the budget (see
+    :py:func:`write_budget`), gives up the counts of the gone processes of the last one, and touches ``.session``.
+    A participant that joins a session keeps to the budget recorded, and is told if it asked for another.
     """
     held = locks.Held(os.open(os.path.join(path, locks.LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
     try:
         session = os.path.join(path, _SESSION)
         if _lock(held.fd, fcntl.LOCK_EX, 0.0):  # no one else uses the store: a new session
+            write_budget(path, reserve, max_bytes)
             slots = os.path.join(path, counters.SLOTS_DIR)
             for name in os.listdir(slots) if os.path.isdir(slots) else []:
                 slot = locks.try_hold(os.path.join(slots, name))
@@ -242,6 +245,11 @@ def join(path: str) -> tuple[locks.Held, int]:
                 if name.startswith(".node-"):  # marks of create_shared_cache that a killed run left
                     locks.unlink_quiet(os.path.join(path, name))
             _start_session(path)
+            locks.clean_dead_temps(os.path.join(path, TMP))  # of the writers of the last run: not counted below
+            count = budget.Budget(path)  # the bytes of its items, as they are: killed writers of the last run counted
+            count.count(sum(size for _, _, size, _ in _items(path)) - count.count(0))
+        else:
+            _tell_other_budget(path, reserve, max_bytes)
         if not _lock(held.fd, fcntl.LOCK_SH, _WAIT):
             raise OSError(errno.EAGAIN, "another process holds the store's lock exclusively", path)
         try:
@@ -252,6 +260,20 @@ def join(path: str) -> tuple[locks.Held, int]:
         held.close()
         raise
     return held, start
+
+
+def _tell_other_budget(path: str, reserve: int | None, max_bytes: int | None) -> None:
+    """Warn if the budget asked for differs from the one that the store's current session keeps to."""
+    recorded = budget.Budget.load(path)
+    asked = {"reserve": (reserve, recorded.reserve), "max_bytes": (max_bytes, recorded.max_bytes)}
+    other = [f"{name}={old} (asked: {new})" for name, (new, old) in asked.items() if new is not None and new != old]
+    if other:
+        warnings.warn(
+            f"SharedCacheStore {path}: another run uses this persistent store, and its budget holds for this run too: "
+            f"{', '.join(other)}. A budget given is recorded when a run opens the store that no other run uses.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _start_session(path: str) -> int:
@@ -345,6 +367,7 @@ def evict(path: str, start: int, nbytes: int, budget_: Any) -> int | None:
                 removed += size
             except OSError:
                 pass
+        budget_.count(-removed)
         return removed
     finally:
         held.close()

@@ -574,8 +574,8 @@ class TestResources(StoreCase):
     def test_lock_error_leaves_no_descriptor(self) -> None:
         opened, real_open = [], os.open
 
-        def spy(*args: Any) -> int:
-            opened.append(real_open(*args))
+        def spy(*args: Any, **kwargs: Any) -> int:
+            opened.append(real_open(*args, **kwargs))
             return opened[-1]
 
         with mock.patch.object(locks.os, "open", spy):
