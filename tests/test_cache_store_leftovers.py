@@ -130,6 +130,21 @@ class TestLeftovers(unittest.TestCase):
         proc.join(TIMEOUT)
         self.assertEqual((proc.exitcode, os.path.exists(store.path)), (0, False))  # the last one removed it
 
+    def test_not_on_a_network_file_system(self):
+        leftover = _made(self.root)
+        _backdate(leftover, 60)  # a crashed run's store: removed, on a node-local file system
+        fake = os.path.join(self.root, "mountinfo")
+        with open(fake, "w") as f:
+            f.write("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
+            f.write(f"36 22 0:40 / {os.path.realpath(self.root)} rw - nfs4 server:/export rw\n")
+        with mock.patch.object(locks, "_MOUNTINFO", fake):
+            self.assertEqual(locks.fs_type(os.path.join(self.root, "x")), "nfs4")
+            with self.assertWarnsRegex(RuntimeWarning, "network file system \\(nfs4\\).*not removed"):
+                self.assertEqual(locks.cleanup_leftovers(self.root), [])  # its lock may be another node's
+            self.assertTrue(os.path.isdir(leftover))
+            self.assertEqual(locks.fs_type("/elsewhere"), "ext4")
+        self.assertEqual(locks.cleanup_leftovers(self.root), [leftover])
+
     def test_temp_files_of_writers(self):
         store = self.new_store()
         tmp = os.path.join(store.path, ".tmp")

@@ -22,6 +22,12 @@ The cap holds for the store, not per process: the bytes of its items are counted
 read and written under ``flock``), and a writer reserves an item's bytes there before it writes, so what one process
 writes every other one sees before its next write. A writer that dies gives its reservation back through its
 temporary file, whose name holds the bytes reserved: the cleaner of dead temporary files returns them.
+
+On a memory-backed file system (``tmpfs``: ``/dev/shm``, or a memory-backed ``emptyDir``) the store's pages count
+against the memory limit of the process's cgroup, which the file system's free space does not show: a pod with
+``--ipc=host`` could be killed for memory while the store saw room. There the room is also what the cgroup's limit
+leaves (the least of the process's cgroup and its ancestors: v2 ``memory.max`` less ``memory.current``, v1
+``memory.limit_in_bytes`` less ``memory.usage_in_bytes``), and the reserve is kept below that limit too.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+
+from monai.data import _cache_locks as locks
 
 try:
     import fcntl
@@ -40,6 +48,8 @@ ENV_MAX_BYTES = "MONAI_CACHE_MAX_BYTES"  # the cap of new stores, in bytes
 BUDGET_FILE = ".budget"
 USED_FILE = ".used"  # the bytes of the store's items and of the writes under way, for all its processes
 _USED = struct.Struct("<q")
+_MEMORY_FS = ("tmpfs", "ramfs")  # file systems whose pages are memory of the processes' cgroups
+_PROC_CGROUP, _CGROUP_FS = "/proc/self/cgroup", "/sys/fs/cgroup"
 
 
 def default_reserve(total: int) -> int:
@@ -62,11 +72,48 @@ def env_bytes(name: str) -> int | None:
     return int(value)
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) < 2**60 else None  # not "max", nor v1's "unlimited" (~2**63)
+
+
+def cgroup_room() -> tuple[int, int] | None:
+    """
+    The memory limit of this process's cgroup, or of the ancestor that leaves least, and what it leaves, in bytes;
+    ``None`` without a limit, or off Linux.
+    """
+    try:
+        with open(_PROC_CGROUP) as f:
+            entries = [line.split(":", 2) for line in f.read().splitlines() if line.count(":") >= 2]
+    except OSError:
+        return None
+    best: tuple[int, int] | None = None
+    for hierarchy, controllers, path in entries:
+        if hierarchy == "0" and not controllers:  # v2
+            base, names = _CGROUP_FS, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1
+            base, names = os.path.join(_CGROUP_FS, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # the cgroup, then each ancestor
+            where = os.path.join(base, *parts[:depth])
+            limit, used = _read_int(os.path.join(where, names[0])), _read_int(os.path.join(where, names[1]))
+            if limit is not None and used is not None and (best is None or limit - used < best[1]):
+                best = limit, max(0, limit - used)
+    return best
+
+
 class Budget:
     """The reserve and cap of one store, as its creator recorded them for all its users, and its count of bytes."""
 
     def __init__(self, path: str, reserve: int | None = None, max_bytes: int | None = None) -> None:
         self.path, self.reserve, self.max_bytes = path, reserve, max_bytes
+        self.memory = locks.fs_type(path) in _MEMORY_FS  # its pages count against the cgroup's memory
 
     @classmethod
     def create(cls, path: str, reserve: int | None, max_bytes: int | None) -> None:
@@ -94,11 +141,14 @@ class Budget:
         except (OSError, AttributeError):
             st = None  # the write itself will tell what is wrong
         if st is not None:
-            free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+            free, total, what = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, "its file system has"
+            room = cgroup_room() if self.memory else None
+            if room is not None and room[1] < free:  # the container's memory is shorter than the file system
+                (total, free), what = room, "the memory limit of this process's cgroup leaves"
             reserve = default_reserve(total) if self.reserve is None else self.reserve
             if free - nbytes < reserve:
                 return (
-                    f"its file system has {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, and "
+                    f"{what} {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, and "
                     f"{reserve / 2**20:.0f} MiB are kept free for the DataLoader's shared memory (reserve)"
                 )
         used = self.count(nbytes, self.max_bytes)
