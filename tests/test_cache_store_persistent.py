@@ -248,6 +248,17 @@ class TestPersistentStore(DistTestCase):
         self.assertEqual(self.open().get_or_compute("k", lambda: 4), 4)  # with room again, a store as usual
         self.assertEqual(self.open().get("k"), 4)
 
+    def test_torn_records_are_removed(self):
+        self.open().close()
+        torn = [os.path.join(self.path, f"{name}-123-456") for name in (".session", ".budget", ".persistent")]
+        for path in torn + [os.path.join(self.path, ".budget-mine")]:
+            with open(path, "w") as f:
+                f.write("{")  # a write that a killed run left
+            os.utime(path, (1, 1))
+        self.open().close()  # a new run
+        self.assertEqual([os.path.exists(p) for p in torn], [False] * 3)
+        self.assertTrue(os.path.exists(os.path.join(self.path, ".budget-mine")))  # not named as the store names them
+
     def test_budget_of_a_store_in_use_holds(self):
         first = self.open(max_bytes=10**9, reserve=0)
         with self.assertWarnsRegex(RuntimeWarning, "another run uses .* max_bytes=1000000000 \\(asked: 100\\)"):

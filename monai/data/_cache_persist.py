@@ -99,6 +99,17 @@ def _sync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _torn(path: str) -> bool:
+    """Whether ``path`` is the temporary file of a :py:func:`_write` interrupted more than a few seconds ago."""
+    head, _, stamp = os.path.basename(path).rpartition("-")
+    if head.rpartition("-")[0] not in (_SESSION, locks.PERSISTENT, budget.BUDGET_FILE) or not stamp.isdigit():
+        return False
+    try:
+        return time.time() - os.stat(path, follow_symlinks=False).st_mtime >= 5.0
+    except OSError:
+        return False
+
+
 def write_budget(path: str, reserve: int | None, max_bytes: int | None) -> None:
     """
     Record the budget of the persistent store ``path``: the values given replace the recorded ones, the others stay.
@@ -242,7 +253,7 @@ def join(path: str, reserve: int | None = None, max_bytes: int | None = None) ->
                     locks.unlink_quiet(os.path.join(slots, name))
                     slot.close()
             for name in os.listdir(path):
-                if name.startswith(".node-"):  # marks of create_shared_cache that a killed run left
+                if name.startswith(".node-") or _torn(os.path.join(path, name)):  # what a killed run left
                     locks.unlink_quiet(os.path.join(path, name))
             _start_session(path)
             locks.clean_dead_temps(os.path.join(path, TMP))  # of the writers of the last run: not counted below
