@@ -167,7 +167,7 @@ class Budget:
         try:  # threads too are kept apart by flock, which one descriptor shared by threads or a fork would not do
             fcntl.flock(fd, fcntl.LOCK_EX)
             data = os.pread(fd, _USED.size, 0)
-            used = _USED.unpack(data)[0] if len(data) == _USED.size else 0
+            used = int(_USED.unpack(data)[0]) if len(data) == _USED.size else 0
             if cap is None or used + nbytes <= cap:
                 os.pwrite(fd, _USED.pack(max(0, used + nbytes)), 0)
             return used
