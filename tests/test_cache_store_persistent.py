@@ -308,6 +308,20 @@ class TestPersistentStore(DistTestCase):
         with self.assertRaisesRegex(ValueError, "not empty and holds no persistent store"):
             SharedCacheStore(self.path, persistent=True)
 
+    def test_refuses_a_network_file_system(self):
+        self.open().close()  # a store made on a node-local file system
+        fake = os.path.join(self.tmp, "mountinfo")
+        with open(fake, "w") as f:
+            f.write("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
+            f.write(f"36 22 0:40 / {os.path.realpath(self.tmp)} rw - lustre 10.0.0.1@tcp:/scratch rw\n")
+        other = os.path.join(self.tmp, "other", "cache")
+        with mock.patch.object(persist.locks, "_MOUNTINFO", fake):  # sessions rely on flock, local to a node there
+            for path, kwargs in ((other, {"persistent": True}), (self.path, {"persistent": True}), (self.path, {})):
+                with self.assertRaisesRegex(ValueError, "network file system \\(lustre\\).*node-local file system"):
+                    SharedCacheStore(path, **kwargs)
+        self.assertFalse(os.path.exists(os.path.dirname(other)))  # nothing made
+        self.assertEqual(self.open().get_or_compute("k", lambda: 1), 1)
+
     def test_create_shared_cache_without_distributed(self):
         store = create_shared_cache(path=self.path, persistent=True)
         self.addCleanup(store.close)
