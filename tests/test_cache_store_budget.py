@@ -173,9 +173,11 @@ class TestBudget(unittest.TestCase):
             message = self.refuse(store, np.ones((12 << 20) // 8))  # 24 - 12 MiB < 16 MiB
         self.assertIn("the memory limit of this process's cgroup leaves 24 MiB free of 64 MiB", message)
 
-    @parameterized.expand([("full", errno.ENOSPC), ("read_only", errno.EROFS)])
-    def test_no_room_to_make_a_store(self, _, code):
-        with mock.patch.object(budget.Budget, "create", side_effect=OSError(code, os.strerror(code))):
+    @parameterized.expand(
+        [("full", errno.ENOSPC, budget.Budget, "create"), ("read_only", errno.EROFS, tempfile, "mkdtemp")]
+    )
+    def test_no_room_to_make_a_store(self, _, code, where, what):
+        with mock.patch.object(where, what, side_effect=OSError(code, os.strerror(code))):
             with self.assertWarnsRegex(RuntimeWarning, "cannot make a store.*MONAI_CACHE_ROOT"):
                 store = self.new_store()  # the job goes on, without the cache
         self.assertEqual((store.get_or_compute("k", lambda: 3), store.put("k", 1), store.get("k")), (3, False, None))

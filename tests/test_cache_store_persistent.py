@@ -247,6 +247,11 @@ class TestPersistentStore(DistTestCase):
             )
         self.assertEqual(self.open().get_or_compute("k", lambda: 4), 4)  # with room again, a store as usual
         self.assertEqual(self.open().get("k"), 4)
+        with mock.patch.object(persist, "join", side_effect=OSError(code, os.strerror(code))):
+            with self.assertWarnsRegex(RuntimeWarning, "cannot open the persistent store"):
+                joined = SharedCacheStore(self.path)  # joined as persistent, without the flag
+            joined.clear()  # of a store it could not open: nothing
+        self.assertEqual((joined.get("k"), self.open().get("k")), (None, 4))
 
     def test_torn_records_are_removed(self):
         self.open().close()
