@@ -92,21 +92,22 @@ def case(name, make, fillers=()):
     print(json.dumps({"case": name, "warnings": said, "items": items, "left": ours}), flush=True)
 
 
-persistent = os.path.join(MNT, "kept")
-fillers = fill_inodes(0)
-case("full_at_open", lambda: SharedCacheStore(root=MNT), fillers)
-fillers = fill_inodes(0)
-case("full_at_open_persistent", lambda: SharedCacheStore(persistent, persistent=True), fillers)
-store = SharedCacheStore(root=MNT, reserve=0)
-fillers = fill_inodes(8)  # a few items fit, then the workers' writes meet ENOSPC
-case("full_mid_run", lambda: store, fillers)
-case("persistent_made", lambda: SharedCacheStore(persistent, persistent=True, reserve=0))
-del store  # its descriptors: the kernel refuses to remount while a removed directory is open
-gc.collect()
-subprocess.run(["mount", "-o", "remount,ro", MNT], check=True)
-case("read_only_at_open", lambda: SharedCacheStore(root=MNT))
-case("read_only_at_open_persistent", lambda: SharedCacheStore(persistent, persistent=True))
-case("read_only_join_persistent", lambda: SharedCacheStore(persistent))
+if __name__ == "__main__":  # spawned DataLoader workers import this file
+    persistent = os.path.join(MNT, "kept")
+    fillers = fill_inodes(0)
+    case("full_at_open", lambda: SharedCacheStore(root=MNT), fillers)
+    fillers = fill_inodes(0)
+    case("full_at_open_persistent", lambda: SharedCacheStore(persistent, persistent=True), fillers)
+    store = SharedCacheStore(root=MNT, reserve=0)
+    fillers = fill_inodes(8)  # a few items fit, then the workers' writes meet ENOSPC
+    case("full_mid_run", lambda: store, fillers)
+    case("persistent_made", lambda: SharedCacheStore(persistent, persistent=True, reserve=0))
+    del store  # its descriptors: the kernel refuses to remount while a removed directory is open
+    gc.collect()
+    subprocess.run(["mount", "-o", "remount,ro", MNT], check=True)
+    case("read_only_at_open", lambda: SharedCacheStore(root=MNT))
+    case("read_only_at_open_persistent", lambda: SharedCacheStore(persistent, persistent=True))
+    case("read_only_join_persistent", lambda: SharedCacheStore(persistent))
 """
 
 
