@@ -69,10 +69,10 @@ def check_local(path: str) -> None:
     ``flock``, which is local to a node or emulated there: a run on another node could be taken for gone.
 
     Raises:
-        ValueError: ``path`` is on a network file system (see :py:data:`monai.data._cache_locks.NETWORK_FS`).
+        ValueError: ``path`` is on a network file system (see :py:func:`monai.data._cache_locks.network_fs`).
     """
-    kind = locks.fs_type(path)
-    if kind is not None and kind.split(".")[0] in locks.NETWORK_FS:
+    kind = locks.network_fs(path)
+    if kind is not None:
         raise ValueError(
             f"SharedCacheStore: {path!r} is on a network file system ({kind}), where flock may be local to a node or "
             "emulated, and a persistent store relies on flock to tell which runs still use it: keep a persistent "
@@ -198,10 +198,8 @@ def open_dir(path: str) -> None:
 
     Raises:
         PermissionError: see :py:func:`check_files`.
-        ValueError: ``path`` is a directory that holds other files and no store, or a store of another layout, or it
-            is on a network file system.
+        ValueError: ``path`` is a directory that holds other files and no store, or a store of another layout.
     """
-    check_local(path)
     if os.path.basename(path).startswith(locks.PREFIX):  # the cleaners of older versions would remove it
         raise ValueError(
             f"SharedCacheStore: the name of a persistent store must not start with {locks.PREFIX!r}, the prefix of "
@@ -259,11 +257,7 @@ def join(path: str, reserve: int | None = None, max_bytes: int | None = None) ->
     system's clock, in ns). The first participant after none starts a session: it records the budget (see
     :py:func:`write_budget`), gives up the counts of the gone processes of the last one, and touches ``.session``.
     A participant that joins a session keeps to the budget recorded, and is told if it asked for another.
-
-    Raises:
-        ValueError: ``path`` is on a network file system.
     """
-    check_local(path)
     held = locks.Held(os.open(os.path.join(path, locks.LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
     try:
         session = os.path.join(path, _SESSION)

@@ -46,6 +46,7 @@ ENV = {
     **os.environ,
     "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(monai.__file__)), os.environ.get("PYTHONPATH", "")]),
 }
+ENV_DEFAULT_ROOT = {k: v for k, v in ENV.items() if not k.startswith("MONAI_CACHE_")}  # stores in /dev/shm
 
 
 def run_forked(target: Callable, *args: Any, timeout: float = TIMEOUT) -> int:
@@ -178,11 +179,15 @@ def stop(proc: subprocess.Popen, kill: bool = False) -> int:
             proc.stdin.close()
 
 
+# the start of a command that runs a shell script (its argument) in a private mount namespace: root and unshare(1)
+IN_PRIVATE_MOUNTS = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+
+
 def private_mount_namespace() -> str | None:
     """Why a private mount namespace with its own /dev/shm cannot be made here, or None if it can."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("unshare") is None:
         return "needs root and unshare(1) to mount a 64 MB tmpfs on /dev/shm in a private mount namespace"
-    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"]
+    cmd = [*IN_PRIVATE_MOUNTS, "mount -t tmpfs -o size=1m tmpfs /dev/shm"]
     probe = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     return None if probe.returncode == 0 else f"cannot mount a tmpfs in a private namespace: {probe.stderr.strip()}"
 

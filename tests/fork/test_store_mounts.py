@@ -28,7 +28,13 @@ import sys
 import tempfile
 import unittest
 
-from fork_utils import ENV, private_mount_namespace, skip_unless_linux, skip_unless_store
+from fork_utils import (
+    ENV_DEFAULT_ROOT,
+    IN_PRIVATE_MOUNTS,
+    private_mount_namespace,
+    skip_unless_linux,
+    skip_unless_store,
+)
 
 SCRIPT = """
 import errno, gc, json, os, subprocess, sys, warnings
@@ -127,9 +133,10 @@ class TestFullAndReadOnlyMounts(unittest.TestCase):
             with open(script, "w") as f:
                 f.write(SCRIPT)
             shell = f'mount -t tmpfs -o size=256m,nr_inodes=64 tmpfs "$1" && exec {sys.executable} {script} "$1"'
-            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell, "sh", mnt]
-            environ = {k: v for k, v in ENV.items() if not k.startswith("MONAI_CACHE_")}
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**environ, "LOG_DIR": logs})
+            cmd = [*IN_PRIVATE_MOUNTS, shell, "sh", mnt]
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=900, env={**ENV_DEFAULT_ROOT, "LOG_DIR": logs}
+            )
             self.assertEqual(proc.returncode, 0, proc.stdout[-2000:] + proc.stderr[-4000:])
             cases = {row["case"]: row for row in map(json.loads, proc.stdout.splitlines())}
         opened = ("full_at_open", "full_at_open_persistent", "read_only_at_open")

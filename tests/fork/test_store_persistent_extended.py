@@ -27,7 +27,17 @@ import unittest
 from collections import Counter
 
 import torch
-from fork_utils import ENV, TIMEOUT, _unshare_works, backdate, item_files, run_ranks, skip_unless_store, wait_for
+from fork_utils import (
+    ENV,
+    IN_PRIVATE_MOUNTS,
+    TIMEOUT,
+    _unshare_works,
+    backdate,
+    item_files,
+    run_ranks,
+    skip_unless_store,
+    wait_for,
+)
 
 from monai.data import SharedCacheStore, create_shared_cache
 
@@ -206,7 +216,7 @@ class TestPersistentRuns(unittest.TestCase):
         mnt = os.path.join(self.tmp, "mnt")
         os.mkdir(mnt, 0o700)
         mount = f'mount -t tmpfs -o noatime,size=64m,mode=0700 tmpfs {mnt} && exec "$0" -c "$1" {mnt}'
-        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, sys.executable, _NOATIME_LRU]
+        cmd = [*IN_PRIVATE_MOUNTS, mount, sys.executable, _NOATIME_LRU]
         done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
         if done.returncode and "mount" in done.stderr and "Traceback" not in done.stderr:
             self.skipTest(f"cannot mount a tmpfs in a private mount namespace here: {done.stderr.strip()}")
@@ -221,7 +231,7 @@ class TestPersistentRuns(unittest.TestCase):
         if made.returncode:
             self.skipTest(f"cannot make an ext4 image here: {made.stderr.strip()}")
         mount = f'mount -o loop {image} {mnt} && chmod 700 {mnt} && exec "$0" -c "$1" {mnt}'
-        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, sys.executable, _COARSE_REUSE]
+        cmd = [*IN_PRIVATE_MOUNTS, mount, sys.executable, _COARSE_REUSE]
         done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
         if done.returncode and "mount" in done.stderr and "Traceback" not in done.stderr:
             self.skipTest(f"cannot loop-mount a file system in a private mount namespace here: {done.stderr.strip()}")

@@ -22,7 +22,13 @@ import sys
 import tempfile
 import unittest
 
-from fork_utils import ENV, private_mount_namespace, skip_unless_linux, skip_unless_store
+from fork_utils import (
+    ENV_DEFAULT_ROOT,
+    IN_PRIVATE_MOUNTS,
+    private_mount_namespace,
+    skip_unless_linux,
+    skip_unless_store,
+)
 
 # 48 items of 2 MiB, 1.5 times the 64 MB /dev/shm that the DataLoader's batches also go through; a file, not `-c`,
 # so that spawned DataLoader workers (the spawn mode) can import its classes
@@ -95,10 +101,9 @@ class TestCgroupLimit(unittest.TestCase):
         if reason:
             self.skipTest(reason)
         mount = "mount -t tmpfs -o size=1g tmpfs /dev/shm && mount -t tmpfs tmpfs /sys/fs/cgroup"
-        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mount} && exec "$0" -c "$1"']
+        cmd = [*IN_PRIVATE_MOUNTS, f'{mount} && exec "$0" -c "$1"']
         cmd += [sys.executable, CGROUP_SCRIPT]
-        environ = {k: v for k, v in ENV.items() if not k.startswith("MONAI_CACHE_")}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=environ)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV_DEFAULT_ROOT)
         self.assertEqual((proc.returncode, proc.stdout.strip()), (0, "ok"), proc.stderr[-2000:])
 
 
@@ -116,9 +121,8 @@ class TestSmallDevShm(unittest.TestCase):
             with open(script, "w") as f:
                 f.write(SMALL_SHM_SCRIPT)
             shell = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {script}"
-            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell]
-            environ = {k: v for k, v in ENV.items() if not k.startswith("MONAI_CACHE_")}
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**environ, **env})
+            cmd = [*IN_PRIVATE_MOUNTS, shell]
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**ENV_DEFAULT_ROOT, **env})
 
     def test_every_epoch_completes_with_correct_items(self):
         proc = self.run_in_64mb_shm()
