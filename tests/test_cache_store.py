@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, MetaTensor, SharedCacheStore
-from monai.transforms import Compose, RandomizableTransform, Transform
+from monai.data import MetaTensor
+from monai.data.cache_store import SharedCacheStore
 
 FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
@@ -253,51 +253,6 @@ class TestLifetime(StoreTestCase):
         self.assertEqual((self.files(store), store.get("big")), ([], None))  # no partial item
         self.assertTrue(store.put("big", 1))
         self.assertEqual(store.get("big"), 1)
-
-
-class Load(Transform):
-    def __init__(self, log: str) -> None:
-        self.log = log
-
-    def __call__(self, i):
-        with open(self.log, "a") as f:
-            f.write(f"{i}\n")
-        return {"src": i, "img": torch.full((3, 4), float(i))}
-
-
-class AddOne(RandomizableTransform):
-    def __call__(self, d):
-        d["img"] += 1  # in place: an item shared with the cache would come back with 2, then 3
-        return d
-
-
-class TestDatasetModes(StoreTestCase):
-    @parameterized.expand([(ctx,) for ctx in multiprocessing.get_all_start_methods() if ctx != "forkserver"])
-    @needs_store
-    def test_process_mode_with_workers(self, ctx):
-        log = os.path.join(self.root, "log")
-        ds = CacheDataset(list(range(8)), Compose([Load(log), AddOne()]), runtime_cache="process", copy_cache=True)
-        path = ds._cache.cache.store.path
-        loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=ctx, timeout=TIMEOUT)
-        for _ in range(2):
-            batches = list(loader)
-            self.assertEqual(torch.cat([b["src"] for b in batches]).tolist(), list(range(8)))
-            for b in batches:
-                self.assertTrue(torch.equal(b["img"], b["src"].float().view(-1, 1, 1).expand(-1, 3, 4) + 1))
-        with open(log) as f:
-            self.assertEqual(sorted(int(x) for x in f.read().split()), list(range(8)))  # once each, in the workers
-        del ds, loader, batches
-        gc.collect()
-        self.assertFalse(os.path.exists(path))
-
-    def test_without_fcntl(self):
-        with mock.patch.object(SharedCacheStore, "supported", False):
-            with self.assertRaisesRegex(NotImplementedError, "fcntl.*runtime_cache='process'"):
-                SharedCacheStore()
-            transform = Compose([Load(os.path.join(self.root, "log")), AddOne()])
-            ds = CacheDataset(list(range(4)), transform, runtime_cache="process")
-            self.assertEqual(type(ds._cache.cache.container).__name__, "ListProxy")
-            self.assertEqual([ds[i]["img"][0, 0].item() for i in range(4)] * 2, [1.0, 2.0, 3.0, 4.0] * 2)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from monai.data import SharedCacheStore
+from monai.data.cache_store import SharedCacheStore
 from tests.test_utils import skip_if_quick
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")

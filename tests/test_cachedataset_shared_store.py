@@ -1,0 +1,146 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import unittest
+from unittest import mock
+
+import torch
+from parameterized import parameterized
+
+from monai.data import CacheDataset, DataLoader, SharedCacheStore
+from monai.data import _cache_budget as budget
+from monai.transforms import Compose, RandomizableTransform, Transform
+
+needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
+FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+TIMEOUT = 120
+MIB = 2**20
+
+
+class Load(Transform):
+    def __init__(self, log: str, numel: int = 12) -> None:
+        self.log, self.numel = log, numel
+
+    def __call__(self, i):
+        with open(self.log, "a") as f:
+            f.write(f"{i}\n")
+        return {"src": i, "img": torch.full((self.numel,), float(i))}
+
+
+class AddOne(RandomizableTransform):
+    def __call__(self, d):
+        d["img"] += 1  # in place: an item shared with the cache would come back with 2, then 3
+        return d
+
+
+def _computed(log: str) -> list[int]:
+    with open(log) as f:
+        return sorted(int(x) for x in f.read().split())
+
+
+def _killed_run(root: str, log: str) -> None:
+    """A training run that caches its items, then is killed (as by the OOM killer): nothing of it can clean up."""
+    os.environ["MONAI_CACHE_ROOT"] = root
+    ds = CacheDataset(list(range(4)), Compose([Load(log), AddOne()]), runtime_cache="process", progress=False)
+    for i in range(4):
+        ds[i]
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TestProcessMode(unittest.TestCase):
+    def setUp(self) -> None:
+        self.tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.root, self.log = os.path.join(self.tmp, "shm"), os.path.join(self.tmp, "log")
+        os.mkdir(self.root, 0o700)
+        patcher = mock.patch.dict(os.environ, {"MONAI_CACHE_ROOT": self.root})
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def check_epochs(self, ds: CacheDataset, ctx=None, epochs: int = 2) -> None:
+        loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=ctx, timeout=TIMEOUT)
+        for _ in range(epochs):
+            batches = list(loader)
+            self.assertEqual(torch.cat([b["src"] for b in batches]).tolist(), list(range(len(ds))))
+            for b in batches:
+                self.assertTrue(torch.equal(b["img"], b["src"].float().view(-1, 1).expand_as(b["img"]) + 1))
+
+    @parameterized.expand([(ctx,) for ctx in multiprocessing.get_all_start_methods() if ctx != "forkserver"])
+    @needs_store
+    def test_workers_share_one_store(self, ctx):
+        ds = CacheDataset(list(range(8)), Compose([Load(self.log), AddOne()]), runtime_cache="process", copy_cache=True)
+        self.assertIsInstance(ds._cache.cache.store, SharedCacheStore)
+        path = ds._cache.cache.store.path
+        self.check_epochs(ds, ctx)
+        self.assertEqual(_computed(self.log), list(range(8)))  # once each, in the workers
+        del ds
+        gc.collect()
+        self.assertFalse(os.path.exists(path))  # removed with its last user
+        self.assertEqual(os.listdir(self.root), [])
+
+    @unittest.skipIf(FORK is None, "the file system is faked in this process and its forked workers")
+    @needs_store
+    def test_docker_default_shm(self):
+        """
+        Docker's default ``/dev/shm`` of 64 MB (faked: 41 MiB free, less what is stored) and items of 4 MiB: the store
+        keeps half of it free for the DataLoader's batches, and items past that are computed without being stored.
+        """
+
+        def statvfs(_):
+            used = 0
+            for d, _, names in os.walk(self.root):
+                for name in names:
+                    try:
+                        used += os.path.getsize(os.path.join(d, name))
+                    except OSError:  # removed meanwhile
+                        pass
+            return mock.Mock(f_bavail=(41 * MIB - used) // 4096, f_blocks=64 * 256, f_frsize=4096)
+
+        with mock.patch("os.statvfs", statvfs), mock.patch.object(budget, "cgroup_room", return_value=None):
+            ds = CacheDataset(list(range(8)), Compose([Load(self.log, MIB), AddOne()]), runtime_cache="process")
+            self.check_epochs(ds, FORK)
+            free = statvfs(None).f_bavail * 4096
+        stored = 16 - len(_computed(self.log))  # a stored item is computed once, a refused one in each epoch
+        self.assertIn(stored, (1, 2, 3))
+        self.assertGreaterEqual(free, 32 * MIB - 5 * MIB)  # the reserve (half), less one item of the other writer
+
+    @needs_store
+    def test_killed_run_is_cleaned_up(self):
+        proc = multiprocessing.get_context("spawn").Process(target=_killed_run, args=(self.root, self.log))
+        proc.start()
+        self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
+        proc.join(TIMEOUT)
+        self.assertEqual(proc.exitcode, -signal.SIGKILL)
+        (left,) = os.listdir(self.root)
+        self.assertEqual(len([n for n in os.listdir(os.path.join(self.root, left)) if n.endswith(".item")]), 4)
+        ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache="process")
+        self.assertEqual(os.listdir(self.root), [os.path.basename(ds._cache.cache.store.path)])  # the dead run's: gone
+        self.assertEqual([ds[i]["img"][0].item() for i in range(4)] * 2, [1.0, 2.0, 3.0, 4.0] * 2)
+
+    def test_without_fcntl(self):
+        with mock.patch.object(SharedCacheStore, "supported", False):
+            with self.assertRaisesRegex(NotImplementedError, "fcntl.*runtime_cache='process'"):
+                SharedCacheStore()
+            ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache="process")
+            self.assertEqual(type(ds._cache.cache.container).__name__, "ListProxy")
+            self.assertEqual([ds[i]["img"][0].item() for i in range(4)] * 2, [1.0, 2.0, 3.0, 4.0] * 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
