@@ -208,6 +208,23 @@ class TestFill(DistTestCase):
             with self.assertRaisesRegex(ValueError, "num_threads must be a positive integer"):
                 ds.fill(num_threads=bad)  # type: ignore[arg-type]
 
+    def test_fill_without_waiting(self) -> None:
+        """``fill(wait=False)`` of an item that another thread computes returns ``False`` at once, computing nothing."""
+        store = self.runtime_cache("store")
+        started, release = threading.Event(), threading.Event()
+        slow = threading.Thread(
+            target=store.get_or_compute, args=("k", lambda: (started.set(), release.wait(TIMEOUT), 1)[-1])
+        )
+        slow.start()
+        self.addCleanup(lambda: (release.set(), slow.join(TIMEOUT)))
+        self.assertTrue(started.wait(TIMEOUT))
+        computed: list = []
+        self.assertFalse(store.fill("k", lambda: computed.append(2) or 2, wait=False))  # its claim is held
+        release.set()
+        slow.join(TIMEOUT)
+        self.assertTrue(store.fill("k", lambda: computed.append(3) or 3))  # stored by the other thread
+        self.assertEqual((computed, store.get("k")), ([], 1))
+
     def test_no_runtime_cache_nothing_to_fill(self) -> None:
         ds = self.dataset("eager", cache_rate=0.5)
         ds.fill()
