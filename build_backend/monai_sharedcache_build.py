@@ -45,7 +45,7 @@ from pathlib import Path
 UPSTREAM_VERSION = "1.6.1"
 UPSTREAM_WHEEL = f"monai-{UPSTREAM_VERSION}-py3-none-any.whl"
 UPSTREAM_SHA256 = "dbd3b1dd309e752e0477ed73fde03b92f80ac74bfb8a8c4260f018b5d6ab2b0b"
-FORK_BUILD = 12
+FORK_BUILD = 13
 VERSION = f"{UPSTREAM_VERSION}+sharedcache.{FORK_BUILD}"
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -727,7 +727,7 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
             stat = run("diff", "--stat=100", "HEAD~1", "HEAD").rstrip()
             for d in docs_diffs:
                 for fp in parse_patch(d, st.name):
-                    plus = sum(len([x for x in new if x not in old]) for _, old, new in fp.hunks)
+                    plus = sum(1 for path, _ in _added_lines(d) if path == fp.path)
                     stat += f"\n {fp.path} (MONAI's docs) | +{plus}"
             header = f"From: {PATCH_AUTHOR}\nSubject: [PATCH {st.number:02d}/{len(stages)}] {st.title}\n\n"
             patch_path = out_dir / f"{st.name}.patch"
@@ -804,7 +804,7 @@ def write_pr_description(out: Path, st: Stage, sizes: dict[str, int], diffstat: 
         "{{SIZE}}": size,
         "{{DIFFSTAT}}": diffstat,
         "{{BENCHMARK}}": bench_table(st.bench, latest_bench_results(src_root)),
-        "{{FORK_TESTS}}": fork_tests or "None: every test of this PR runs in MONAI's CI.",
+        "{{FORK_TESTS}}": fork_tests or "none: every test of this PR runs in MONAI's CI.",
     }
     text = template
     for key, value in values.items():

@@ -63,7 +63,7 @@ def _backdate(path: str, seconds: float) -> None:
 
 
 def _made(root: str) -> str:
-    """A store directory as its creator makes it first: private, with the mark of a store, and no lock file yet."""
+    """A store directory as its creator makes it first: private, with the mark file that stores write, no lock file yet."""
     path = tempfile.mkdtemp(prefix=locks.PREFIX, dir=root)
     os.close(os.open(os.path.join(path, ".monai-cache"), os.O_WRONLY | os.O_CREAT, 0o600))
     return path

@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-How the processes sharing a :py:class:`monai.data.SharedCacheStore` coordinate: who still uses the store.
+How the processes sharing a :py:class:`monai.data.cache_store.SharedCacheStore` coordinate: who still uses the store.
 
 Each question is whether some process is still alive, and pids cannot answer it across PID namespaces (containers
 sharing ``/dev/shm`` see each other's files, not each other's processes). So each fact is an ``fcntl.flock`` lock on

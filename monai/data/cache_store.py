@@ -52,16 +52,15 @@ def _attach(cls: type[SharedCacheStore], path: str) -> SharedCacheStore:
 
 class SharedCacheStore:
     """
-    A runtime cache for :py:class:`monai.data.CacheDataset` that the processes of one machine share without a server:
-    each item is a file in a private directory, by default on ``/dev/shm`` (in memory).
+    A cache of items that the processes of one machine share without a server: each item is a file in a private
+    directory, by default on ``/dev/shm`` (in memory).
 
     A ``Manager().list()`` pickles every item through its server at every read, and holds a file descriptor per
     tensor. Here an item is written once, to a temporary file published under its key with an atomic ``os.replace``,
     and a read maps the file privately and copy-on-write: the item's arrays and tensors are views of the mapping, with
-    no copy and no open descriptor, that the reader may modify in place. ``CacheDataset(runtime_cache="process")``
-    makes a store; DataLoader workers receive it with the dataset (it pickles as its path); other processes of the
-    same user join it with ``SharedCacheStore(path)``. It is removed when the last process that made or joined it
-    closes it or exits.
+    no copy and no open descriptor, that the reader may modify in place. A store pickles as its path, so DataLoader
+    workers receive it with what holds it; other processes of the same user join it with ``SharedCacheStore(path)``.
+    It is removed when the last process that made or joined it closes it or exits.
 
     Args:
         path: the directory of an existing store to join; ``None`` to make a new store.
@@ -78,7 +77,7 @@ class SharedCacheStore:
         .. code-block:: python
 
             store = SharedCacheStore()  # a new directory /dev/shm/monai-cache-*
-            ds = CacheDataset(data, transform, runtime_cache=store)
+            item = store.get_or_compute(key, compute)  # computed once, then read back by every process
             other = SharedCacheStore(store.path)  # in another process of this user, on this machine
             store.close()  # the last one to close (or exit) removes the directory
 

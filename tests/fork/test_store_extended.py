@@ -9,9 +9,10 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The extended tests of PR 02's ``SharedCacheStore`` core, which do not fit the exported ``tests/test_cache_store.py``:
-every dtype and container of the round trip, the zero-copy mappings, the lifetime across processes and interpreters,
-20,000 items with few descriptors, and the store as the runtime cache of datasets, DataLoader workers and gloo ranks.
+The extended tests of PR 02's ``SharedCacheStore`` core, which do not fit the exported
+``tests/data/test_cache_store.py``: every dtype and container of the round trip, the zero-copy mappings, the lifetime
+across processes and interpreters, 20,000 items with few descriptors, and (with PR 05's wiring) the store as the
+runtime cache of datasets, DataLoader workers and gloo ranks.
 """
 
 from __future__ import annotations

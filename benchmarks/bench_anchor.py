@@ -1,0 +1,108 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+What the anchored store (PR 12) costs on a hit of the portable store (issue 22: at most 2% more than before):
+``python benchmarks/bench_anchor.py [--rounds 9] [--reps 25]``.
+
+Two trees are laid out from the series: the stages up to PR 11 (before the anchored store) and the whole series.
+In each, a fresh process makes a store on ``/dev/shm`` without the Linux fast path (``MONAI_CACHE_FAST_PATH=0``),
+puts one item, and times ``--reps`` hits: ``get`` and a copied crop, as a training hit does. Two items: the hits
+benchmark's (an image of 4 x 240 x 240 x 155 float32 and its label, 145 MiB; a 96^3 crop) and a small one (4 KiB; no
+crop), where the fixed cost of a read shows most. The trees alternate, ``--rounds`` times, and the medians of the
+rounds are printed with their ratio (after / before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+JOB = r"""
+import json, os, sys, tempfile, time
+import numpy as np, torch
+from monai.data.cache_store import SharedCacheStore
+
+kind, reps = sys.argv[1], int(sys.argv[2])
+root = tempfile.mkdtemp(dir="/dev/shm")
+store = SharedCacheStore(root=root, reserve=0)
+if kind == "large":
+    item = {"image": torch.rand(4, 240, 240, 155), "label": torch.zeros(1, 240, 240, 155, dtype=torch.uint8)}
+else:
+    item = {"image": torch.rand(1024)}
+assert store.put("k", item)
+rng, times = np.random.default_rng(0), []
+for _ in range(reps + 3):
+    t0 = time.perf_counter()
+    got = store.get("k")
+    if kind == "large":
+        x, y, z = (int(v) for v in rng.integers(0, 240 - 96, 3))
+        z = min(z, 155 - 96)
+        out = got["image"][:, x : x + 96, y : y + 96, z : z + 96].clone()
+    else:
+        out = got["image"].clone()
+    times.append(time.perf_counter() - t0)
+    del got, out
+store.close()
+os.rmdir(root)
+print(json.dumps(sorted(times[3:])[reps // 2]))
+"""
+
+
+def stage_tree(out: Path, upto: str | None) -> Path:
+    """Lay out upstream with the series' patches (those before ``upto``, or all) into ``out``."""
+    build = [sys.executable, str(ROOT / "build_backend" / "monai_sharedcache_build.py")]
+    if upto is None:
+        subprocess.run([*build, "layout", str(out)], check=True, capture_output=True)
+    else:
+        subprocess.run([*build, "pristine", str(out), "--upto", upto], check=True, capture_output=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--reps", type=int, default=25)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {
+            "before (PR 11)": stage_tree(Path(tmp) / "before", "0014-cache-store-anchored.patch"),
+            "after (PR 12)": stage_tree(Path(tmp) / "after", None),
+        }
+        env = {**os.environ, "MONAI_CACHE_FAST_PATH": "0"}
+        for kind in ("large", "small"):
+            found: dict[str, list[float]] = {name: [] for name in trees}
+            for _ in range(args.rounds):
+                for name, tree in trees.items():
+                    cmd = [sys.executable, "-c", JOB, kind, str(args.reps)]
+                    proc = subprocess.run(
+                        cmd, env={**env, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=600
+                    )
+                    if proc.returncode:
+                        raise SystemExit(proc.stderr)
+                    found[name].append(json.loads(proc.stdout))
+            before, after = (statistics.median(v) for v in found.values())
+            spread = {name: f"{min(v) * 1e3:.3f}..{max(v) * 1e3:.3f}" for name, v in found.items()}
+            print(
+                f"{kind}: before {before * 1e3:.3f} ms, after {after * 1e3:.3f} ms, ratio {after / before:.3f} "
+                f"(medians of {args.rounds} rounds of {args.reps} hits; spreads in ms {spread})"
+            )
+
+
+if __name__ == "__main__":
+    main()
