@@ -9,12 +9,12 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The item files of :py:class:`monai.data.cache_store.SharedCacheStore`, read back without a copy: a reader maps a file privately,
-copy-on-write, and its arrays and tensors are views of the mapping, so their bytes sit raw and aligned in the file. A
-file is a prefix, the key (checked on read), a table of buffers, the protocol-5 pickle stream, then each out-of-band
-buffer (the bytes of a numpy array or CPU tensor), 64-byte aligned. An item comes from one mapping of one file: a
-file replaced while read yields the old item or the new one, never a mix. Files are written with ``os.pwrite``, so a
-full disk is an error, never a ``SIGBUS``.
+The item files of :py:class:`monai.data.cache_store.SharedCacheStore`, read back without a copy: a reader maps a file
+privately, copy-on-write, and its arrays and tensors are views of the mapping, so their bytes sit raw and aligned in the
+file. A file is a prefix, the key (checked on read), a table of buffers, the protocol-5 pickle stream, then each
+out-of-band buffer (the bytes of a numpy array or CPU tensor), 64-byte aligned. An item comes from one mapping of one
+file: a file replaced while read yields the old item or the new one, never a mix. Files are written with ``os.pwrite``,
+so a full disk is an error, never a ``SIGBUS``.
 """
 
 from __future__ import annotations
