@@ -9,11 +9,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The passes of ``./runtests.sh --unittests --mode spawn|nofcntl`` run only the tests whose behaviour can differ there:
-what starts processes with the default start method, and what uses the store (or its fallback without ``fcntl``).
-The tests below behave the same in every mode, so they run in the default pass alone (the file, or the file's
-``::Class``): they start no process, or pin the start method of each one they start and use no store.
-Not for MONAI's CI: this file is not exported.
+The passes of ``./runtests.sh --unittests --mode spawn|nofcntl`` run only the tests whose behaviour can differ there.
+The no-``fcntl`` pass runs every test but those below (``_EVERY_MODE``), which start no process and use no store, or
+pin the start method of each process they start. The spawn pass runs only the tests in ``_SPAWN``: those that start a
+process of the default start method (a DataLoader worker without ``multiprocessing_context``, a ``Manager``,
+``multiprocessing.get_context()``), in the test's process or in an interpreter that it starts. The list was taken by
+running every test with ``forkserver`` as the default start method and recording the class of each process started
+(a process of a pinned context is a ``ForkProcess`` or ``SpawnProcess``, one of the default context is not); add a
+new test here if it starts such a process. Not for MONAI's CI: this file is not exported.
 """
 
 from __future__ import annotations
@@ -30,13 +33,33 @@ _EVERY_MODE = (
     "tests/fork/test_keys_extended.py",  # interpreters started by subprocess, no DataLoader worker
     "tests/fork/test_runtime_cache_extended.py::TestSizing::test_concurrent_resize",  # fork if it can; a ListProxy
 )
-_SPAWN_ALSO = (
-    # DataLoader workers under each start method by parameter, ranks by torch's spawn; no store (nofcntl differs:
-    # "process" is then a Manager list)
-    "tests/fork/test_runtime_cache_extended.py::TestSizing::test_dataloader",
-    "tests/fork/test_runtime_cache_extended.py::TestNeverWrongOrStale",
-    "tests/fork/test_runtime_cache_extended.py::TestFaults",
-    "tests/fork/test_runtime_cache_extended.py::TestDistributed",
+_SPAWN = (
+    "tests/fork/test_runtime_cache_extended.py::TestSizing::test_main_process_",  # a Manager of the default context
+    "tests/fork/test_runtime_cache_extended.py::TestSizing::test_not_resizable",
+    "tests/fork/test_runtime_cache_extended.py::TestSizing::test_resize_interleaved_at_the_worst_point",
+    "tests/fork/test_store_extended.py::TestLifetime::test_killed_participant_does_not_keep_store",
+    "tests/fork/test_store_extended.py::TestLifetime::test_live_participant_in_other_process_keeps_store",
+    "tests/fork/test_store_mounts.py",  # DataLoader workers in an interpreter that the test starts
+    "tests/fork/test_store_namespaces.py",
+    "tests/fork/test_store_persistent_extended.py::TestPersistentRuns::test_reads_set_access_times_on_noatime_mounts",
+    "tests/fork/test_store_persistent_extended.py::TestPersistentRuns::test_run_killed_mid_fill",
+    "tests/fork/test_store_persistent_extended.py::TestPersistentRuns::test_second_run_computes_nothing",
+    "tests/fork/test_store_persistent_extended.py::TestPersistentRuns::test_sessions_on_a_file_system_of_whole_seconds",
+    "tests/fork/test_store_persistent_extended.py::TestPersistentRuns::test_two_runs_at_once_in_separate_pid_namespaces",
+    "tests/fork/test_store_persistent_extended.py::TestPersistentRuns::test_writer_killed_mid_write",
+    "tests/fork/test_store_small_shm.py",
+    "tests/test_cache_store_budget.py::TestBudget::test_cap_refuses_past_max_bytes",
+    "tests/test_cache_store_claims.py::TestClaims::test_killed_claimant_releases_claim_at_once",
+    "tests/test_cache_store_claims.py::TestClaims::test_processes_compute_each_key_once",
+    "tests/test_cache_store_leftovers.py::TestLeftovers::test_killed_creator_removed_at_once",
+    "tests/test_cache_store_leftovers.py::TestLeftovers::test_store_in_use_kept",
+    "tests/test_cache_store_leftovers.py::TestLeftovers::test_temp_files_of_writers",
+    "tests/test_cache_store_persistent.py::TestPersistentStore::test_two_runs_of_a_dataset_1",
+    "tests/test_cachedataset_fill.py::TestFill::test_fill_computes_each_item_once_4_listproxy",
+    "tests/test_cachedataset_refresh.py::TestRefresh::test_shared_caches_2_listproxy",
+    "tests/test_cachedataset_runtime_cache.py::TestRuntimeCache",
+    "tests/test_cachedataset_shared_store.py::TestProcessMode::test_without_fcntl",
+    "tests/test_create_shared_cache.py::TestCreateSharedCache::test_without_a_process_group_a_local_store",
 )
 
 
@@ -44,10 +67,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mode = os.environ.get("MONAI_SHAREDCACHE_TEST_MODE", "")
     if mode not in ("spawn", "nofcntl"):
         return
-    skip = _EVERY_MODE + (_SPAWN_ALSO if mode == "spawn" else ())
     keep, drop = [], []
     for item in items:  # node ids are relative to the repository (runtests.sh runs pytest there)
-        (drop if item.nodeid.startswith(skip) else keep).append(item)
+        runs = item.nodeid.startswith(_SPAWN) if mode == "spawn" else not item.nodeid.startswith(_EVERY_MODE)
+        (keep if runs else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

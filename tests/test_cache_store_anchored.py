@@ -73,6 +73,28 @@ class TestAnchoredStore(unittest.TestCase):
         self.assertEqual(store.get_or_compute("k", lambda: "mine"), "mine")  # replaces the planted entry only
         self.assertEqual((store.get("k"), other.get("k")), ("mine", "planted"))
 
+    def test_persistent_store_opens_without_a_look_at_its_items(self):
+        path = os.path.join(self.root, "kept")
+        store = SharedCacheStore(path, persistent=True)
+        self.assertTrue(store.put("a", 1) and store.put("b", 2))
+        store.close()
+        writable, linked = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".item"))
+        log = os.path.join(self.root, "log")
+        with open(log, "w") as f:
+            f.write("mine")
+        os.chmod(writable, 0o666)
+        os.unlink(linked)
+        os.symlink(log, linked)
+        again = SharedCacheStore(path, persistent=True)  # each item is checked when it is read, none at open
+        self.addCleanup(again.close)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "not an item the store wrote"
+            self.assertEqual((again.get("a"), again.get("b")), (None, None))  # never unpickled
+        self.assertEqual((again.get_or_compute("a", lambda: 3), again.get_or_compute("b", lambda: 4)), (3, 4))
+        with open(log) as f:
+            self.assertEqual(f.read(), "mine")  # the link was replaced, not followed
+        self.assertFalse(os.path.islink(linked))  # a file of the store's own now
+
     def test_directory_it_did_not_make_is_refused_and_kept(self):
         mine = os.path.join(self.root, "mine")
         os.makedirs(os.path.join(mine, "sub"), 0o700)

@@ -16,6 +16,7 @@ import gc
 import multiprocessing
 import os
 import shutil
+import struct
 import tempfile
 import unittest
 import warnings
@@ -137,6 +138,22 @@ class TestBudget(unittest.TestCase):
         os.utime(os.path.join(store.path, ".tmp", dead), (1, 1))
         self.assertTrue(store.put("c", np.ones(40_000)))  # its file is removed and its bytes given back
         self.assertEqual(os.listdir(os.path.join(store.path, ".tmp")), [])
+
+    def test_a_count_left_too_high_is_made_again(self):
+        store = self.new_store(max_bytes=2 * ITEM + 2 * 4096, reserve=0)
+        self.assertTrue(store.put("a", np.ones(40_000)))
+        with open(os.path.join(store.path, budget.USED_FILE), "r+b") as f:  # as a process killed at the wrong time
+            f.write(struct.pack("<qq", 10 * ITEM, 9))  # leaves it: items removed, their bytes not given back
+        room = store._room()
+        with mock.patch.object(room, "recount", wraps=room.recount) as recount:
+            self.assertTrue(store.put("b", np.ones(40_000)))  # refused by the count, which is made again: room
+            sizes = [os.path.getsize(os.path.join(store.path, n)) for n in self.items(store)]
+            with open(os.path.join(store.path, budget.USED_FILE), "rb") as f:
+                self.assertEqual((struct.unpack("<qq", f.read()), recount.call_count), ((sum(sizes), 2), 1))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                refused = [store.put(key, np.ones(40_000)) for key in "cde"]
+        self.assertEqual((refused, recount.call_count), ([False] * 3, 2))  # made again once: nothing changed since
 
     @parameterized.expand(
         [

@@ -48,7 +48,7 @@ def _slow_writer(store: SharedCacheStore, conn) -> None:
     real = os.pwrite  # each write of the item is of a page, and tells the parent that the temporary file exists
 
     def slow(fd: int, data, at: int) -> int:
-        if memoryview(data).nbytes <= 8:  # not the item: the store's count of bytes (PR 05)
+        if memoryview(data).nbytes <= 16:  # not the item: the store's count of bytes and items (PR 05)
             return real(fd, data, at)
         conn.send(1)
         time.sleep(0.01)

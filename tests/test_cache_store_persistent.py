@@ -255,7 +255,7 @@ class TestPersistentStore(DistTestCase):
 
     def test_torn_records_are_removed(self):
         self.open().close()
-        torn = [os.path.join(self.path, f"{name}-123-456") for name in (".session", ".budget", ".persistent")]
+        torn = [os.path.join(self.path, ".tmp", f"{name}-123-456-0") for name in (".session", ".budget", ".persistent")]
         for path in torn + [os.path.join(self.path, ".budget-mine")]:
             with open(path, "w") as f:
                 f.write("{")  # a write that a killed run left
@@ -274,7 +274,7 @@ class TestPersistentStore(DistTestCase):
         self.open(max_bytes=100).close()  # alone: its budget is recorded
         self.assertFalse(self.open().put("b", np.ones(1000)))
 
-    @parameterized.expand([("directory", "", 0o777), ("directory", "", 0o750), ("item", ".item", 0o666)])
+    @parameterized.expand([("directory", "", 0o777), ("directory", "", 0o750), ("budget", ".budget", 0o666)])
     def test_refuses_what_others_could_write(self, _, which, mode):
         store = self.open()
         store.put("a", 1)
@@ -295,8 +295,9 @@ class TestPersistentStore(DistTestCase):
         os.symlink(self.path, link)
         with self.assertRaisesRegex(PermissionError, "symbolic link"):
             SharedCacheStore(link, persistent=True)
-        os.symlink(os.path.join(self.tmp, "log"), os.path.join(self.path, "x.item"))
-        with self.assertRaisesRegex(PermissionError, "x.item.*symbolic link"):
+        os.unlink(os.path.join(self.path, ".budget"))
+        os.symlink(os.path.join(self.tmp, "log"), os.path.join(self.path, ".budget"))
+        with self.assertRaisesRegex(PermissionError, "\\.budget' in it is a symbolic link"):
             SharedCacheStore(self.path, persistent=True)
 
     def test_bad_arguments(self):

@@ -18,10 +18,13 @@ item that would leave less than a reserve free on its file system, nor one past 
 items are computed and returned without being stored. The default reserve is half the file system, at most 4 GiB (8
 workers x a prefetch of 2 x a 256 MiB batch).
 
-The cap holds for the store, not per process: the bytes of its items are counted in the store (``.used``, 8 bytes
-read and written under ``flock``), and a writer reserves an item's bytes there before it writes, so what one process
-writes every other one sees before its next write. A writer that dies gives its reservation back through its
-temporary file, whose name holds the bytes reserved: the cleaner of dead temporary files returns them.
+The cap holds for the store, not per process: the bytes and the number of its items are counted in the store
+(``.used``, 16 bytes read and written under ``flock``), and a writer reserves an item's bytes there before it writes,
+so what one process writes every other one sees before its next write, and no operation lists the store's directory.
+A writer that dies gives its reservation back through its temporary file, whose name holds the bytes reserved: the
+cleaner of dead temporary files returns them. What a process killed at a worse moment leaves counted (an item removed,
+its bytes not yet given back) can only make the count too high, never too low: the store counts its items again when
+the count would refuse an item, and the count changed since it last did.
 
 On a memory-backed file system (``tmpfs``: ``/dev/shm``, or a memory-backed ``emptyDir``) the store's pages count
 against the memory limit of the process's cgroup, which the file system's free space does not show: a pod with
@@ -35,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from typing import Callable
 
 from monai.data import _cache_locks as locks
 
@@ -46,8 +50,10 @@ except ImportError:  # Windows: SharedCacheStore is not available, nothing here 
 ENV_RESERVE = "MONAI_CACHE_RESERVE_BYTES"  # the reserve of new stores, in bytes
 ENV_MAX_BYTES = "MONAI_CACHE_MAX_BYTES"  # the cap of new stores, in bytes
 BUDGET_FILE = ".budget"
-USED_FILE = ".used"  # the bytes of the store's items and of the writes under way, for all its processes
-_USED = struct.Struct("<q")
+USED_FILE = (
+    ".used"  # the bytes (the writes under way included) and the number of the store's items, for all its processes
+)
+_USED = struct.Struct("<qq")
 _MEMORY_FS = ("tmpfs", "ramfs")  # file systems whose pages are memory of the processes' cgroups
 _PROC_CGROUP, _CGROUP_FS = "/proc/self/cgroup", "/sys/fs/cgroup"
 
@@ -114,6 +120,8 @@ class Budget:
     def __init__(self, path: str, reserve: int | None = None, max_bytes: int | None = None) -> None:
         self.path, self.reserve, self.max_bytes = path, reserve, max_bytes
         self.memory = locks.fs_type(path) in _MEMORY_FS  # its pages count against the cgroup's memory
+        self.recount: Callable[[], tuple[int, int]] | None = None  # the bytes of items and temporary files, items
+        self._recounted: int | None = None  # the count of bytes that the last recount found
 
     @classmethod
     def create(cls, path: str, reserve: int | None, max_bytes: int | None) -> None:
@@ -152,24 +160,41 @@ class Budget:
                     f"{reserve / 2**20:.0f} MiB are kept free for the DataLoader's shared memory (reserve)"
                 )
         used = self.count(nbytes, self.max_bytes)
+        full = self.max_bytes is not None and used + nbytes > self.max_bytes
+        if full and self.recount is not None and used != self._recounted:  # what killed processes left counted
+            used = self._recounted = self.count(nbytes, self.max_bytes, recount=True)
         if self.max_bytes is not None and used + nbytes > self.max_bytes:
             return f"the store holds {used / 2**20:.0f} MiB and its cap is max_bytes={self.max_bytes}"
         return None
 
-    def count(self, nbytes: int, cap: int | None = None) -> int:
+    def count(self, nbytes: int, cap: int | None = None, items: int = 0, recount: bool = False) -> int:
         """
-        Add ``nbytes`` (negative: bytes removed) to the store's count, unless that would pass ``cap``; the count before.
+        Add ``nbytes`` (negative: bytes removed) and ``items`` to the store's counts, unless that would pass ``cap``;
+        the bytes counted before. With ``recount`` (or a count of an older layout), the counts are first replaced by
+        what :py:attr:`recount` finds, less ``nbytes``: a writer counts an item's bytes once its temporary file (whose
+        name holds them) exists, and a recount counts those files too.
 
         Raises:
             OSError: the count cannot be opened, read or written.
         """
+        return self._update(nbytes, cap, items, recount)[0]
+
+    def counted(self) -> tuple[int, int]:
+        """The store's bytes (the writes under way included) and its number of items, as counted."""
+        return self._update(0, None, 0, False)
+
+    def _update(self, nbytes: int, cap: int | None, items: int, recount: bool) -> tuple[int, int]:
         fd = os.open(os.path.join(self.path, USED_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # per call:
         try:  # threads too are kept apart by flock, which one descriptor shared by threads or a fork would not do
             fcntl.flock(fd, fcntl.LOCK_EX)
             data = os.pread(fd, _USED.size, 0)
-            used = int(_USED.unpack(data)[0]) if len(data) == _USED.size else 0
-            if cap is None or used + nbytes <= cap:
-                os.pwrite(fd, _USED.pack(max(0, used + nbytes)), 0)
-            return used
+            used, n = _USED.unpack(data) if len(data) == _USED.size else (0, 0)
+            if (recount or len(data) not in (0, _USED.size)) and self.recount is not None:
+                used, n = self.recount()
+                used -= max(nbytes, 0)  # the caller's temporary file holds them, and was counted
+                os.pwrite(fd, _USED.pack(used, n), 0)
+            if (nbytes or items) and (cap is None or used + nbytes <= cap):
+                os.pwrite(fd, _USED.pack(max(0, used + nbytes), max(0, n + items)), 0)
+            return int(used), int(n)
         finally:
             os.close(fd)  # and with it the lock

@@ -91,16 +91,20 @@ def _refuse(path: str, name: str, problem: str) -> PermissionError:
 
 
 def _write(path: str, text: str) -> None:
-    """Replace the small file ``path`` by one holding ``text``, mode ``0o600``, on disk whole or not at all."""
-    new = f"{path}-{os.getpid()}-{time.monotonic_ns()}"
-    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    """
+    Replace the small file ``path`` by one holding ``text``, mode ``0o600``, on disk whole or not at all. It is written
+    in ``.tmp``, held while written, where the cleaner of dead temporary files removes it if its writer is killed.
+    """
+    store, name = os.path.split(path)
+    new = os.path.join(store, TMP, f"{name}-{os.getpid()}-{time.monotonic_ns()}-0")  # ends with the bytes it counts
+    held = locks.open_temp(new)
     try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
+        os.write(held.fd, text.encode())
+        os.fsync(held.fd)
+        os.replace(new, path)
     finally:
-        os.close(fd)
-    os.replace(new, path)
-    _sync_dir(os.path.dirname(path))
+        held.close()
+    _sync_dir(store)
 
 
 def _sync_dir(path: str) -> None:
@@ -114,17 +118,6 @@ def _sync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _torn(path: str) -> bool:
-    """Whether ``path`` is the temporary file of a :py:func:`_write` interrupted more than a few seconds ago."""
-    head, _, stamp = os.path.basename(path).rpartition("-")
-    if head.rpartition("-")[0] not in (_SESSION, locks.PERSISTENT, budget.BUDGET_FILE) or not stamp.isdigit():
-        return False
-    try:
-        return time.time() - os.stat(path, follow_symlinks=False).st_mtime >= 5.0
-    except OSError:
-        return False
 
 
 def write_budget(path: str, reserve: int | None, max_bytes: int | None) -> None:
@@ -213,6 +206,7 @@ def open_dir(path: str) -> None:
     except FileExistsError:
         pass
     check_files(path)
+    os.makedirs(os.path.join(path, TMP), 0o700, exist_ok=True)  # before any record is written: see _write
     marker = os.path.join(path, locks.PERSISTENT)
     try:
         with open(marker) as f:
@@ -235,7 +229,6 @@ def open_dir(path: str) -> None:
             f"SharedCacheStore: {path!r} is a persistent store of layout {layout!r}, and this version reads layout "
             f"{LAYOUT}: clear it (remove the directory) or choose another path."
         )
-    os.makedirs(os.path.join(path, TMP), 0o700, exist_ok=True)
 
 
 def _lock(fd: int, how: int, timeout: float) -> bool:
@@ -269,13 +262,7 @@ def join(path: str, reserve: int | None = None, max_bytes: int | None = None) ->
                 if slot is not None:  # not held by a live process, such as a last DataLoader worker
                     locks.unlink_quiet(os.path.join(slots, name))
                     slot.close()
-            for name in os.listdir(path):
-                if name.startswith(".node-") or _torn(os.path.join(path, name)):  # what a killed run left
-                    locks.unlink_quiet(os.path.join(path, name))
             _start_session(path)
-            locks.clean_dead_temps(os.path.join(path, TMP))  # of the writers of the last run: not counted below
-            count = budget.Budget(path)  # the bytes of its items, as they are: killed writers of the last run counted
-            count.count(sum(size for _, _, size, _ in _items(path)) - count.count(0))
         else:
             _tell_other_budget(path, reserve, max_bytes)
         if not _lock(held.fd, fcntl.LOCK_SH, _WAIT):
@@ -306,17 +293,20 @@ def _tell_other_budget(path: str, reserve: int | None, max_bytes: int | None) ->
 
 def _start_session(path: str) -> int:
     """
-    Touch ``.session``, until its time (the file system's clock, at its granularity) is later than that of every item
-    written so far: an item is of an earlier session if and only if it is older than ``.session``.
+    Touch ``.session`` twice, until its second time (the file system's clock, at its granularity) is later than its
+    first, and so than that of every item written so far: an item is of an earlier session if and only if it is older
+    than ``.session``. No item is looked at: a session starts as fast with many items as with few.
     """
-    latest = max((mtime for _, mtime, _, _ in _items(path)), default=-1)
+    session = os.path.join(path, _SESSION)
+    _write(session, str(os.getpid()))
+    latest = os.stat(session).st_mtime_ns
     deadline = time.monotonic() + 2.5  # a file system that keeps whole seconds may need one
     while True:
-        _write(os.path.join(path, _SESSION), str(os.getpid()))
-        start = os.stat(os.path.join(path, _SESSION)).st_mtime_ns
+        os.utime(session, follow_symlinks=False)
+        start = os.stat(session, follow_symlinks=False).st_mtime_ns
         if start > latest or time.monotonic() > deadline:
             return start
-        time.sleep(0.002)
+        time.sleep(0.001)
 
 
 def session_start(path: str) -> int:
@@ -327,15 +317,21 @@ def session_start(path: str) -> int:
         return time.time_ns()
 
 
-def touch(path: str, ino: int, start: int) -> None:
-    """Record a use of the item file ``path`` (of inode ``ino``) in the session of ``start``: its access time."""
+def touch(path: str, st: os.stat_result, start: int) -> bool:
+    """
+    Record a use of the item file ``path`` in the session of ``start``: its access time, of the status ``st`` that was
+    read before the use (a read may set it too). Whether it was the first use in this session of an earlier item.
+    """
+    now = time.time_ns()
+    if st.st_atime_ns >= start and now - st.st_atime_ns <= _TOUCH_NS:  # renewed once a second at most
+        return False
     try:
-        st = os.stat(path)
-        now = time.time_ns()
-        if st.st_ino == ino and (st.st_atime_ns < start or now - st.st_atime_ns > _TOUCH_NS):  # once a second at most
-            os.utime(path, ns=(now, st.st_mtime_ns))  # the modification time tells when it was written
+        if os.stat(path, follow_symlinks=False).st_ino != st.st_ino:  # replaced meanwhile
+            return False
+        os.utime(path, ns=(now, st.st_mtime_ns), follow_symlinks=False)  # the mtime: when written
     except OSError:
-        pass
+        return False
+    return st.st_atime_ns < start and st.st_mtime_ns < start
 
 
 def _items(path: str) -> list[tuple[int, int, int, str]]:
@@ -353,13 +349,6 @@ def _items(path: str) -> list[tuple[int, int, int, str]]:
     except OSError:
         pass
     return found
-
-
-def scan(path: str, start: int) -> dict[str, int]:
-    """The items and bytes of the store ``path``, and how many items written before ``start`` were used since."""
-    items = _items(path)
-    reused = sum(1 for atime, mtime, _, _ in items if mtime < start <= atime)
-    return {"filled": len(items), "nbytes": sum(size for _, _, size, _ in items), "reused": reused}
 
 
 def evict(path: str, start: int, nbytes: int, budget_: Any) -> int | None:
@@ -386,16 +375,16 @@ def evict(path: str, start: int, nbytes: int, budget_: Any) -> int | None:
             excess = max(excess, reserve - (free - nbytes))
         except (OSError, AttributeError):
             pass
-        removed = 0
+        removed = gone = 0
         for _, _, size, item in old:
             if removed >= excess:
                 break
             try:
                 os.unlink(item)
-                removed += size
+                removed, gone = removed + size, gone + 1
             except OSError:
                 pass
-        budget_.count(-removed)
+        budget_.count(-removed, items=-gone)
         return removed
     finally:
         held.close()

@@ -244,10 +244,12 @@ class TestPersistentRuns(unittest.TestCase):
         store.close()
         (item,) = item_files(self.path)
         os.chown(os.path.join(self.path, item), 65534, 65534)
-        with self.assertRaisesRegex(PermissionError, "owned by uid 65534"):
-            SharedCacheStore(self.path, persistent=True)
+        self.assertIsNone(SharedCacheStore(self.path, persistent=True).get("a"))  # an item of another user: a miss
         os.chown(os.path.join(self.path, item), os.getuid(), os.getgid())
         self.assertEqual(SharedCacheStore(self.path, persistent=True).get("a"), 1)
+        os.chown(os.path.join(self.path, ".budget"), 65534, 65534)  # a file of the store's own: the store is refused
+        with self.assertRaisesRegex(PermissionError, "'.budget' in it is owned by uid 65534"):
+            SharedCacheStore(self.path, persistent=True)
 
 
 if __name__ == "__main__":
