@@ -12,11 +12,12 @@
 The passes of ``./runtests.sh --unittests --mode spawn|nofcntl`` run only the tests whose behaviour can differ there.
 The no-``fcntl`` pass runs every test but those below (``_EVERY_MODE``), which start no process and use no store, or
 pin the start method of each process they start. The spawn pass runs only the tests in ``_SPAWN``: those that start a
-process of the default start method (a DataLoader worker without ``multiprocessing_context``, a ``Manager``,
-``multiprocessing.get_context()``), in the test's process or in an interpreter that it starts. The list was taken by
-running every test with ``forkserver`` as the default start method and recording the class of each process started
-(a process of a pinned context is a ``ForkProcess`` or ``SpawnProcess``, one of the default context is not); add a
-new test here if it starts such a process. Not for MONAI's CI: this file is not exported.
+process of the default start method that uses the cache (a DataLoader worker without ``multiprocessing_context``, a
+child of ``multiprocessing.get_context()``), in the test's process or in an interpreter that it starts; a ``Manager``
+server alone is not such a process (its lists behave alike however it starts). The list was taken by running every
+test with ``forkserver`` as the default start method and recording the class of each process started (a process of a
+pinned context is a ``ForkProcess`` or ``SpawnProcess``, one of the default context is not); add a new test here if
+it starts such a process. Not for MONAI's CI: this file is not exported.
 """
 
 from __future__ import annotations
@@ -34,9 +35,6 @@ _EVERY_MODE = (
     "tests/fork/test_runtime_cache_extended.py::TestSizing::test_concurrent_resize",  # fork if it can; a ListProxy
 )
 _SPAWN = (
-    "tests/fork/test_runtime_cache_extended.py::TestSizing::test_main_process_",  # a Manager of the default context
-    "tests/fork/test_runtime_cache_extended.py::TestSizing::test_not_resizable",
-    "tests/fork/test_runtime_cache_extended.py::TestSizing::test_resize_interleaved_at_the_worst_point",
     "tests/fork/test_store_extended.py::TestLifetime::test_killed_participant_does_not_keep_store",
     "tests/fork/test_store_extended.py::TestLifetime::test_live_participant_in_other_process_keeps_store",
     "tests/fork/test_store_mounts.py",  # DataLoader workers in an interpreter that the test starts
@@ -55,10 +53,9 @@ _SPAWN = (
     "tests/test_cache_store_leftovers.py::TestLeftovers::test_store_in_use_kept",
     "tests/test_cache_store_leftovers.py::TestLeftovers::test_temp_files_of_writers",
     "tests/test_cache_store_persistent.py::TestPersistentStore::test_two_runs_of_a_dataset_1",
-    "tests/test_cachedataset_fill.py::TestFill::test_fill_computes_each_item_once_4_listproxy",
-    "tests/test_cachedataset_refresh.py::TestRefresh::test_shared_caches_2_listproxy",
-    "tests/test_cachedataset_runtime_cache.py::TestRuntimeCache",
-    "tests/test_cachedataset_shared_store.py::TestProcessMode::test_without_fcntl",
+    "tests/test_cachedataset_runtime_cache.py::TestRuntimeCache::test_container_sized_in_workers",
+    "tests/test_cachedataset_runtime_cache.py::TestRuntimeCache::test_set_data_resyncs_the_same_container",
+    "tests/test_cachedataset_runtime_cache.py::TestRuntimeCache::test_worker_warning",
     "tests/test_create_shared_cache.py::TestCreateSharedCache::test_without_a_process_group_a_local_store",
 )
 
