@@ -245,7 +245,7 @@ def _item_file(store_ds: Any) -> str:
     """The file of the first item of a dataset's store (by the store's ``_file``, else its largest item file)."""
     store = _slots_store(store_ds)
     try:
-        path = store._file(store_ds._runtime_keys[0], ".item")
+        path = os.path.join(store.path, store._file(store_ds._runtime_keys[0], ".item"))
         if os.path.isfile(path):
             return str(path)
     except Exception:  # a private function of the store: fall back on the directory
@@ -277,7 +277,7 @@ def _breakdown(eager: Any, store_ds: Any, store_name: str, tr: Any, first_random
     from monai.data import _cache_format
 
     store, key = _slots_store(store_ds), store_ds._runtime_keys[0]
-    item_path = _item_file(store_ds)
+    item_name = os.path.basename(_item_file(store_ds))  # read_file opens a name in the store's checked directory
     steps: dict[str, dict[str, list[float]]] = {"private_nocopy": {}, store_name: {}}
 
     def record(path: str, step: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -296,7 +296,7 @@ def _breakdown(eager: Any, store_ds: Any, store_name: str, tr: Any, first_random
         record("private_nocopy", "copy", collate_copy, out)
         del data, out
 
-        raw = record(store_name, "open+mmap", _cache_format.read_file, item_path)[0]
+        raw = record(store_name, "open+mmap", _cache_format.read_file, store._dir, item_name)[0]
         data = record(store_name, "unpickle", _cache_format.decode, raw, key)
         del raw
         out = record(store_name, "crop", tr, data, start=first_random)

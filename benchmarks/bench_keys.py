@@ -9,12 +9,12 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-What the keys of PR 11 cost (``python benchmarks/bench_keys.py [--entries 10000] [--dir DIR]``):
+What the keys of PR 12 cost (``python benchmarks/bench_keys.py [--entries 10000] [--dir DIR]``):
 
 - the fingerprint of a typical MONAI pipeline (``LoadImaged``, ``EnsureChannelFirstd``, ``Spacingd``,
   ``ScaleIntensityRanged``, ``CropForegroundd``): the first one in a fresh interpreter, and again;
 - constructing a ``CacheDataset`` with a runtime cache over ``--entries`` entries of 2 files each on ``--dir`` (a local
-  disk by default: a directory under the current one), with a ``hash_func`` that sees names only (as before PR 11),
+  disk by default: a directory under the current one), with a ``hash_func`` that sees names only (as before PR 12),
   with file stamps the first time in a process (every file hashed; 1 and 4 threads), and again (stat calls only).
 
 Prints a table and writes ``benchmarks/output/keys.json``. The files are small (two 4 KiB ``.npy`` files per entry) and

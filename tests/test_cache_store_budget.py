@@ -25,9 +25,9 @@ from unittest import mock
 import numpy as np
 from parameterized import parameterized
 
-from monai.data import SharedCacheStore
 from monai.data import _cache_budget as budget
 from monai.data._cache_budget import default_reserve
+from monai.data.cache_store import SharedCacheStore
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 TIMEOUT = 120

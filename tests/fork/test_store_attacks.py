@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The store as another local user attacks it (PR 12). Needs root: a second, ordinary user (``monai-attacker``) is made
+The store as another local user attacks it (PR 13). Needs root: a second, ordinary user (``monai-attacker``) is made
 for the tests and removed after them; its actions are shell commands run with ``setpriv``. The victim is this process
 (root's privileges do not matter here: the store checks who owns what, not who may access it).
 

@@ -11,7 +11,7 @@
 """
 The extended tests of PR 02's ``SharedCacheStore`` core, which do not fit the exported
 ``tests/data/test_cache_store.py``: every dtype and container of the round trip, the zero-copy mappings, the lifetime
-across processes and interpreters, 20,000 items with few descriptors, and (with PR 05's wiring) the store as the
+across processes and interpreters, 20,000 items with few descriptors, and (with PR 06's wiring) the store as the
 runtime cache of datasets, DataLoader workers and gloo ranks.
 """
 

@@ -9,8 +9,9 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-PR 05's budget where it matters: Docker's default 64 MB ``/dev/shm``, which the store and the DataLoader's batches
-share. A tmpfs of that size is mounted on ``/dev/shm`` in a private mount namespace (root and ``unshare --mount``).
+PR 05's budget where it matters, through PR 06's ``CacheDataset``: Docker's default 64 MB ``/dev/shm``, which the store
+and the DataLoader's batches share. A tmpfs of that size is mounted on ``/dev/shm`` in a private mount namespace (root
+and ``unshare --mount``).
 """
 
 from __future__ import annotations
