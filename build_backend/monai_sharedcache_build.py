@@ -45,7 +45,7 @@ from pathlib import Path
 UPSTREAM_VERSION = "1.6.1"
 UPSTREAM_WHEEL = f"monai-{UPSTREAM_VERSION}-py3-none-any.whl"
 UPSTREAM_SHA256 = "dbd3b1dd309e752e0477ed73fde03b92f80ac74bfb8a8c4260f018b5d6ab2b0b"
-FORK_BUILD = 14
+FORK_BUILD = 15
 VERSION = f"{UPSTREAM_VERSION}+sharedcache.{FORK_BUILD}"
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -643,6 +643,22 @@ def _changed_lines(diff: str) -> dict[str, int]:
     return counts
 
 
+def _without(text: str, path: str, later: list[str], src_root: Path) -> str:
+    """
+    The docs file ``path`` (``text``: as the fork has it, with what later PRs change in it) as the PR that adds it
+    has it: the hunks of the later PRs' docs diffs ``later`` that change it are taken back, last first.
+    """
+    for name in reversed(later):
+        for fp in parse_patch(_strip_header((src_root / name).read_text(encoding="utf-8"))[1], name):
+            if fp.path == path:
+                back, shift = FilePatch(fp.new, fp.old), 0
+                for start, old, new in fp.hunks:
+                    back.hunks.append((start + shift - (0 if new else 1), new, old))
+                    shift += len(new) - len(old)
+                text = apply_file_patch(back, text, name) or ""
+    return text
+
+
 def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
     """
     Write the upstream PR series into ``out_dir``: for each stage ``NN-<slug>.patch`` and ``NN-<slug>.md``, and
@@ -704,7 +720,9 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
                         if dest.exists():
                             raise BuildError(f"{SERIES}: {rel} would replace a file of upstream")
                         dest.parent.mkdir(parents=True, exist_ok=True)
-                        shutil.copyfile(f, dest)
+                        diffs = [d for other in stages[st.number :] for d in other.docs if d.startswith(PATCHES + "/")]
+                        text = _without(f.read_text(encoding="utf-8"), str(f.relative_to(src_root)), diffs, src_root)
+                        dest.write_text(text, encoding="utf-8")
             run("add", "-A")
             run("commit", "-q", "-m", st.title)
             diff = run("diff", "HEAD~1", "HEAD") + "".join(docs_diffs)
@@ -769,7 +787,7 @@ def latest_bench_results(src_root: Path = ROOT) -> dict | None:
 def bench_table(ids: list[str], results: dict | None) -> str:
     """The rows ``ids`` of a benchmark run as a markdown table, with the date, version and command of the run."""
     if not ids:
-        return "This PR changes no measured path."
+        return "No row of the benchmark's results (`benchmarks/bench_cache.py`) measures this PR."
     if results is None:
         return "No benchmark results in this checkout: run `python benchmarks/bench_cache.py` and export again."
     rows = results.get("rows", {})

@@ -31,6 +31,7 @@ _EVERY_MODE = (
     "tests/fork/test_fork_guard.py",
     "tests/fork/test_conventions.py",
     "tests/test_cachedataset_keys.py",  # keys: in-process, and interpreters started by subprocess
+    "tests/test_cachedataset_digests.py",  # interpreters started by subprocess, no DataLoader worker
     "tests/fork/test_keys_extended.py",  # interpreters started by subprocess, no DataLoader worker
     "tests/fork/test_runtime_cache_extended.py::TestSizing::test_concurrent_resize",  # fork if it can; a ListProxy
 )

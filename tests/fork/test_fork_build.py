@@ -249,6 +249,30 @@ class TestPRSeries(unittest.TestCase):
             for section in ("## Issues", "## What changes for users", "## Tests", "## Benchmark", "## Files"):
                 self.assertIn(section, md, st.name)
 
+    def test_a_docs_page_is_exported_as_its_pr_has_it(self):
+        """A page that a later PR's docs diff changes is exported without that change: the two give the fork's page."""
+        pages = {d: st for st in self.stages for d in st.docs if d.startswith("docs/source/") and d.endswith(".rst")}
+        checked = 0
+        for path, owner in pages.items():
+            diffs = [
+                fp
+                for later in self.stages[owner.number :]
+                for name in later.docs
+                if name.startswith(build.PATCHES + "/")
+                for fp in build.parse_patch(build._strip_header((ROOT / name).read_text())[1], name)
+                if fp.path == path
+            ]
+            if not diffs:
+                continue
+            exported = build.parse_patch((Path(self.tmp) / "pr" / f"{owner.name}.patch").read_text(), owner.name)
+            page = "".join(next(fp for fp in exported if fp.path == path).hunks[0][2])  # a new file: one hunk
+            self.assertNotEqual(page, (ROOT / path).read_text(), f"{owner.name} carries a later PR's change of {path}")
+            for fp in diffs:
+                page = build.apply_file_patch(fp, page, path)
+            self.assertEqual(page, (ROOT / path).read_text(), path)
+            checked += 1
+        self.assertGreater(checked, 0, "no PR changes a page of an earlier PR: nothing was checked")
+
     def test_later_names_are_caught(self):
         """The export refuses a PR that mentions a name which only a later PR adds."""
         stages = build.read_series()

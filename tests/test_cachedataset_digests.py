@@ -1,0 +1,104 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+from monai.data import SharedCacheStore
+from monai.data._cache_keys import known_digests, learn_digests, stamp_files
+
+TIMEOUT = 120
+
+# One run of a training script: a CacheDataset of file inputs on a persistent store; it prints the files that the
+# keys read (their content hashed), the items computed and the items' values.
+RUN = """
+import builtins, json, sys
+import numpy as np
+import monai.data._cache_keys as keys
+from monai.data import CacheDataset, SharedCacheStore
+from monai.transforms import Compose, Lambda
+
+reads, real_open = [], builtins.open
+keys.open = lambda path, *args, **kwargs: (reads.append(path), real_open(path, *args, **kwargs))[1]
+store = SharedCacheStore(sys.argv[1], persistent=True)
+files = json.loads(sys.argv[2])
+ds = CacheDataset(files, Compose([Lambda(lambda f: np.load(f) + 1)]), runtime_cache=store, progress=False)
+values = [float(ds[i][0]) for i in range(len(ds))]
+print(json.dumps({"reads": len(reads), "computed": ds.cache_stats()["process"]["computed"], "values": values}))
+store.close()
+"""
+
+
+def _save(path: str, value: float, age: float) -> None:
+    """Write an input file, modified ``age`` seconds ago (a file modified just now is hashed again by any run)."""
+    np.save(path, np.full(4, value))
+    os.utime(path, (time.time() - age,) * 2)
+
+
+@unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
+class TestDigestsAcrossRuns(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+        self.store = os.path.join(self.tmp, "cache")
+        self.files = [os.path.join(self.tmp, f"img{i}.npy") for i in range(3)]
+        for i, f in enumerate(self.files):
+            _save(f, i, 3600)
+
+    def run_script(self) -> dict:
+        cmd = [sys.executable, "-c", RUN, self.store, json.dumps(self.files)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+        self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+        return json.loads(out.stdout.splitlines()[-1])
+
+    def test_a_new_run_reads_only_the_files_that_changed(self):
+        first = self.run_script()
+        self.assertEqual((first["reads"], first["computed"], first["values"]), (3, 3, [1.0, 2.0, 3.0]))
+        again = self.run_script()  # nothing changed: no file is read, no item computed
+        self.assertEqual((again["reads"], again["computed"], again["values"]), (0, 0, [1.0, 2.0, 3.0]))
+
+        _save(self.files[1], 10, 1800)  # rewritten: read again, and its item computed again
+        copy = self.files[2] + ".copy"  # copied again, the same content: read again, nothing computed
+        shutil.copy2(self.files[2], copy)
+        os.replace(copy, self.files[2])
+        edited = self.run_script()
+        self.assertEqual((edited["reads"], edited["computed"], edited["values"]), (2, 1, [1.0, 11.0, 3.0]))
+
+        record = os.path.join(self.store, ".notes", "kept-digests")
+        with open(record, "w") as f:  # torn and malformed: every file is read again, the items are reused
+            f.write('{"/no/such": [1, 2], "%s": "not an entry"' % self.files[0])
+        damaged = self.run_script()
+        self.assertEqual((damaged["reads"], damaged["computed"], damaged["values"]), (3, 0, [1.0, 11.0, 3.0]))
+
+    def test_learn_takes_only_well_formed_entries(self):
+        path = os.path.join(self.tmp, "other.npy")
+        _save(path, 5, 3600)
+        seen: set[str] = set()
+        stamped = stamp_files({"image": path}, seen)
+        self.assertEqual(seen, {path})
+        entry = known_digests(seen)[path]
+        learn_digests({"/x": entry[:-1] + ["zz"], "/y": [True, 2, 3, 4, 5, entry[-1]], 3: entry, "/z": {"a": 1}})
+        self.assertEqual(set(known_digests(["/x", "/y", "/z"])), set())
+        self.assertEqual(stamp_files({"image": path}), stamped)
+
+
+if __name__ == "__main__":
+    unittest.main()
