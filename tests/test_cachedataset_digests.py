@@ -88,6 +88,31 @@ class TestDigestsAcrossRuns(unittest.TestCase):
         damaged = self.run_script()
         self.assertEqual((damaged["reads"], damaged["computed"], damaged["values"]), (3, 0, [1.0, 11.0, 3.0]))
 
+    def test_only_a_private_record_of_the_store_is_read(self):
+        store = SharedCacheStore(self.store, persistent=True)
+        self.addCleanup(store.close)
+        store.keep("digests", {"a": 1})
+        self.assertEqual(store.kept("digests"), {"a": 1})
+        record = os.path.join(self.store, ".notes", "kept-digests")
+        os.chmod(record, 0o666)  # writable by others: not read
+        self.assertIsNone(store.kept("digests"))
+        planted = os.path.join(self.tmp, "planted.json")
+        with open(planted, "w") as f:
+            json.dump({"a": 2}, f)
+        os.remove(record)
+        os.symlink(planted, record)  # a link: not followed
+        self.assertIsNone(store.kept("digests"))
+        store.keep("digests", {"a": 3})  # replaces the link, never writes through it
+        self.assertEqual(store.kept("digests"), {"a": 3})
+        with open(planted) as f:
+            self.assertEqual(json.load(f), {"a": 2})
+        with self.assertRaises(ValueError):
+            store.keep("../x", 1)
+        temporary = SharedCacheStore()  # not persistent: nothing kept
+        self.addCleanup(temporary.close)
+        temporary.keep("digests", {"a": 1})
+        self.assertIsNone(temporary.kept("digests"))
+
     def test_learn_takes_only_well_formed_entries(self):
         path = os.path.join(self.tmp, "other.npy")
         _save(path, 5, 3600)
