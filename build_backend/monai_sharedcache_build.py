@@ -643,11 +643,12 @@ def _changed_lines(diff: str) -> dict[str, int]:
     return counts
 
 
-def _without(text: str, path: str, later: list[str], src_root: Path) -> str:
+def _without(src: Path, path: str, later: list[str], src_root: Path) -> str | None:
     """
-    The docs file ``path`` (``text``: as the fork has it, with what later PRs change in it) as the PR that adds it
-    has it: the hunks of the later PRs' docs diffs ``later`` that change it are taken back, last first.
+    The docs file ``path`` (``src``: as the fork has it, with what later PRs change in it) as the PR that adds it has
+    it: the hunks of the later PRs' docs diffs ``later`` that change it are taken back, last first; None if none does.
     """
+    text = None
     for name in reversed(later):
         for fp in parse_patch(_strip_header((src_root / name).read_text(encoding="utf-8"))[1], name):
             if fp.path == path:
@@ -655,7 +656,7 @@ def _without(text: str, path: str, later: list[str], src_root: Path) -> str:
                 for start, old, new in fp.hunks:
                     back.hunks.append((start + shift - (0 if new else 1), new, old))
                     shift += len(new) - len(old)
-                text = apply_file_patch(back, text, name) or ""
+                text = apply_file_patch(back, src.read_text(encoding="utf-8") if text is None else text, name) or ""
     return text
 
 
@@ -721,8 +722,11 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
                             raise BuildError(f"{SERIES}: {rel} would replace a file of upstream")
                         dest.parent.mkdir(parents=True, exist_ok=True)
                         diffs = [d for other in stages[st.number :] for d in other.docs if d.startswith(PATCHES + "/")]
-                        text = _without(f.read_text(encoding="utf-8"), str(f.relative_to(src_root)), diffs, src_root)
-                        dest.write_text(text, encoding="utf-8")
+                        page = _without(f, str(f.relative_to(src_root)), diffs, src_root)
+                        if page is None:
+                            shutil.copyfile(f, dest)
+                        else:
+                            dest.write_text(page, encoding="utf-8")
             run("add", "-A")
             run("commit", "-q", "-m", st.title)
             diff = run("diff", "HEAD~1", "HEAD") + "".join(docs_diffs)
