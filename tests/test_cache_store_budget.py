@@ -18,6 +18,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 import unittest
 import warnings
 from unittest import mock
@@ -26,6 +27,7 @@ import numpy as np
 from parameterized import parameterized
 
 from monai.data import _cache_budget as budget
+from monai.data import _cache_locks as locks
 from monai.data._cache_budget import default_reserve
 from monai.data.cache_store import SharedCacheStore
 
@@ -154,6 +156,40 @@ class TestBudget(unittest.TestCase):
                 warnings.simplefilter("ignore")
                 refused = [store.put(key, np.ones(40_000)) for key in "cde"]
         self.assertEqual((refused, recount.call_count), ([False] * 3, 2))  # made again once: nothing changed since
+
+    def used(self, store: SharedCacheStore) -> tuple[int, int]:
+        with open(os.path.join(store.path, budget.USED_FILE), "rb") as f:
+            return struct.unpack("<qq", f.read())
+
+    def test_a_writer_s_file_is_made_once_its_bytes_are_counted(self):
+        """A recount counts the temporary files of writers: only those whose bytes the count already holds."""
+        store, made = self.new_store(reserve=0), []
+        real = locks.open_temp
+        with mock.patch.object(locks, "open_temp", lambda *args: (made.append(self.used(store)), real(*args))[1]):
+            self.assertTrue(store.put("a", np.ones(40_000)))
+        size = os.path.getsize(os.path.join(store.path, "a.item"))
+        self.assertEqual((made, self.used(store)), ([(size, 0)], (size, 1)))  # counted, then made; then published
+
+    def test_a_recount_during_a_refused_write_leaves_the_count_right(self):
+        """Two threads refused at once: the recount that one makes must not keep the bytes of the other's item."""
+        store, others = self.new_store(max_bytes=0, reserve=0), []
+        real = locks.open_temp
+
+        def open_temp(*args):  # the other thread writes, and is refused, while this one makes its file
+            held = real(*args)
+            if not others:
+                others.append(threading.Thread(target=store.put, args=("a", np.ones(40_000))))
+                others[0].start()
+                others[0].join(TIMEOUT / 10)  # not past a lock that this thread might hold
+            return held
+
+        with warnings.catch_warnings(), mock.patch.object(locks, "open_temp", open_temp):
+            warnings.simplefilter("ignore")
+            self.assertFalse(store.put("b", np.ones(40_000)))
+            for thread in others:
+                thread.join(TIMEOUT)
+        self.assertEqual((self.used(store), os.listdir(os.path.join(store.path, ".tmp"))), ((0, 0), []))
+        self.assertEqual((store.stats()["nbytes"], self.items(store)), (0, []))
 
     @parameterized.expand(
         [

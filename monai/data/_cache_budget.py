@@ -21,6 +21,8 @@ workers x a prefetch of 2 x a 256 MiB batch).
 The cap holds for the store, not per process: the bytes and the number of its items are counted in the store
 (``.used``, 16 bytes read and written under ``flock``), and a writer reserves an item's bytes there before it writes,
 so what one process writes every other one sees before its next write, and no operation lists the store's directory.
+It makes its temporary file once they are counted, under the same lock: a recount then finds the files of the writers
+that counted, and of no other (a writer refused by the budget makes none).
 A writer that dies gives its reservation back through its temporary file, whose name holds the bytes reserved: the
 cleaner of dead temporary files returns them. What a process killed at a worse moment leaves counted (an item removed,
 its bytes not yet given back) can only make the count too high, never too low: the store counts its items again when
@@ -142,8 +144,12 @@ class Budget:
         except (OSError, ValueError, AttributeError):
             return cls(path)
 
-    def room_for(self, nbytes: int) -> str | None:
-        """``None`` if an item of ``nbytes`` may be written, and its bytes are then counted; else why not."""
+    def room_for(self, nbytes: int, made: Callable[[], object] | None = None) -> str | None:
+        """
+        ``None`` if an item of ``nbytes`` may be written, and its bytes are then counted; else why not. Once they are
+        counted, and under the count's lock, ``made()`` makes the writer's temporary file, whose name holds them: so a
+        recount finds the file of every writer that counted, and of no other.
+        """
         try:
             st = os.statvfs(self.path)
         except (OSError, AttributeError):
@@ -159,10 +165,10 @@ class Budget:
                     f"{what} {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, and "
                     f"{reserve / 2**20:.0f} MiB are kept free for the DataLoader's shared memory (reserve)"
                 )
-        used = self.count(nbytes, self.max_bytes)
+        used = self._update(nbytes, self.max_bytes, 0, False, made)[0]
         full = self.max_bytes is not None and used + nbytes > self.max_bytes
         if full and self.recount is not None and used != self._recounted:  # what killed processes left counted
-            used = self._recounted = self.count(nbytes, self.max_bytes, recount=True)
+            used = self._recounted = self._update(nbytes, self.max_bytes, 0, True, made)[0]
         if self.max_bytes is not None and used + nbytes > self.max_bytes:
             return f"the store holds {used / 2**20:.0f} MiB and its cap is max_bytes={self.max_bytes}"
         return None
@@ -171,8 +177,8 @@ class Budget:
         """
         Add ``nbytes`` (negative: bytes removed) and ``items`` to the store's counts, unless that would pass ``cap``;
         the bytes counted before. With ``recount`` (or a count of an older layout), the counts are first replaced by
-        what :py:attr:`recount` finds, less ``nbytes``: a writer counts an item's bytes once its temporary file (whose
-        name holds them) exists, and a recount counts those files too.
+        what :py:attr:`recount` finds in the store, which the items removed or published before the call have left
+        already: then only the bytes of a writer's item to come (``nbytes`` > 0) are added.
 
         Raises:
             OSError: the count cannot be opened, read or written.
@@ -183,7 +189,9 @@ class Budget:
         """The store's bytes (the writes under way included) and its number of items, as counted."""
         return self._update(0, None, 0, False)
 
-    def _update(self, nbytes: int, cap: int | None, items: int, recount: bool) -> tuple[int, int]:
+    def _update(
+        self, nbytes: int, cap: int | None, items: int, recount: bool, made: Callable[[], object] | None = None
+    ) -> tuple[int, int]:
         fd = os.open(os.path.join(self.path, USED_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # per call:
         try:  # threads too are kept apart by flock, which one descriptor shared by threads or a fork would not do
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -191,10 +199,17 @@ class Budget:
             used, n = _USED.unpack(data) if len(data) == _USED.size else (0, 0)
             if (recount or len(data) not in (0, _USED.size)) and self.recount is not None:
                 used, n = self.recount()
-                used -= max(nbytes, 0)  # the caller's temporary file holds them, and was counted
                 os.pwrite(fd, _USED.pack(used, n), 0)
-            if (nbytes or items) and (cap is None or used + nbytes <= cap):
+                nbytes, items = max(nbytes, 0), 0
+            fits = cap is None or used + nbytes <= cap
+            if fits and (nbytes or items):
                 os.pwrite(fd, _USED.pack(max(0, used + nbytes), max(0, n + items)), 0)
+            if fits and made is not None:
+                try:
+                    made()
+                except BaseException:
+                    os.pwrite(fd, _USED.pack(used, n), 0)  # not made: not counted
+                    raise
             return int(used), int(n)
         finally:
             os.close(fd)  # and with it the lock
