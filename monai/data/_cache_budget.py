@@ -173,17 +173,14 @@ class Budget:
             return f"the store holds {used / 2**20:.0f} MiB and its cap is max_bytes={self.max_bytes}"
         return None
 
-    def count(self, nbytes: int, cap: int | None = None, items: int = 0, recount: bool = False) -> int:
+    def count(self, nbytes: int, items: int = 0) -> int:
         """
-        Add ``nbytes`` (negative: bytes removed) and ``items`` to the store's counts, unless that would pass ``cap``;
-        the bytes counted before. With ``recount`` (or a count of an older layout), the counts are first replaced by
-        what :py:attr:`recount` finds in the store, which the items removed or published before the call have left
-        already: then only the bytes of a writer's item to come (``nbytes`` > 0) are added.
+        Add ``nbytes`` (negative: bytes removed) and ``items`` to the store's counts; the bytes counted before.
 
         Raises:
             OSError: the count cannot be opened, read or written.
         """
-        return self._update(nbytes, cap, items, recount)[0]
+        return self._update(nbytes, None, items, False)[0]
 
     def counted(self) -> tuple[int, int]:
         """The store's bytes (the writes under way included) and its number of items, as counted."""
@@ -192,6 +189,12 @@ class Budget:
     def _update(
         self, nbytes: int, cap: int | None, items: int, recount: bool, made: Callable[[], object] | None = None
     ) -> tuple[int, int]:
+        """
+        Add ``nbytes`` and ``items`` to the counts unless that would pass ``cap``, then ``made()``; the counts before.
+        With ``recount`` (or a count of an older layout), the counts are first replaced by what :py:attr:`recount`
+        finds in the store, which the items removed or published before the call have left already: then only the
+        bytes of a writer's item to come (``nbytes`` > 0) are added.
+        """
         fd = os.open(os.path.join(self.path, USED_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # per call:
         try:  # threads too are kept apart by flock, which one descriptor shared by threads or a fork would not do
             fcntl.flock(fd, fcntl.LOCK_EX)
