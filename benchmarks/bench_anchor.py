@@ -9,10 +9,12 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-What the anchored store (PR 13) costs on a hit of the portable store (issue 22: at most 2% more than before):
-``python benchmarks/bench_anchor.py [--rounds 9] [--reps 25]``.
+What anchoring the store costs on a hit of the portable store (issue 22: at most 2% more than before):
+``python benchmarks/bench_anchor.py [--before REV] [--rounds 9] [--reps 25]``.
 
-Two trees are laid out from the series: the stages up to PR 12 (before the anchored store) and up to PR 13 (with it).
+Two trees: the store before it was anchored, and this version's. The series of this repository's git revision
+``--before`` (by default deae873, the last with the anchored store as a PR of its own, since folded into the PRs that
+own its code) is laid out up to that PR (its stage 12); this version's series is laid out whole.
 In each, a fresh process makes a store on ``/dev/shm`` without the Linux fast path (``MONAI_CACHE_FAST_PATH=0``),
 puts one item, and times ``--reps`` hits: ``get`` and a copied crop, as a training hit does. Two items: the hits
 benchmark's (an image of 4 x 240 x 240 x 155 float32 and its label, 145 MiB; a 96^3 crop) and a small one (4 KiB; no
@@ -23,11 +25,13 @@ rounds are printed with their ratio (after / before).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -64,25 +68,34 @@ print(json.dumps(sorted(times[3:])[reps // 2]))
 """
 
 
-def stage_tree(out: Path, upto: str | None) -> Path:
-    """Lay out upstream with the series' patches (those before ``upto``, or all) into ``out``."""
-    build = [sys.executable, str(ROOT / "build_backend" / "monai_sharedcache_build.py")]
-    if upto is None:
-        subprocess.run([*build, "layout", str(out)], check=True, capture_output=True)
-    else:
-        subprocess.run([*build, "pristine", str(out), "--upto", upto], check=True, capture_output=True)
+def before_tree(out: Path, rev: str) -> Path:
+    """Lay out the series of the git revision ``rev`` up to the anchored store's own PR into ``out``."""
+    src = out.parent / "before-src"
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(src, filter="data")
+    build = [sys.executable, str(src / "build_backend" / "monai_sharedcache_build.py"), "pristine", str(out)]
+    subprocess.run([*build, "--upto", "0014-cache-store-anchored.patch"], check=True, capture_output=True)
+    return out
+
+
+def this_tree(out: Path) -> Path:
+    """Lay out this version's whole series into ``out``."""
+    build = [sys.executable, str(ROOT / "build_backend" / "monai_sharedcache_build.py"), "layout", str(out)]
+    subprocess.run(build, check=True, capture_output=True)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", default="deae873", help="the git revision of the store before it was anchored")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--reps", type=int, default=25)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trees = {
-            "before (PR 12)": stage_tree(Path(tmp) / "before", "0014-cache-store-anchored.patch"),
-            "after (PR 13)": stage_tree(Path(tmp) / "after", "0015-cachedataset-digests-across-runs.patch"),
+            "before": before_tree(Path(tmp) / "before", args.before),
+            "after": this_tree(Path(tmp) / "after"),
         }
         env = {**os.environ, "MONAI_CACHE_FAST_PATH": "0"}
         for kind in ("large", "small"):

@@ -20,9 +20,11 @@ import pickle
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import unittest
 import warnings
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -97,16 +99,14 @@ class TestItems(StoreTestCase):
     def test_reads_are_private_copy_on_write_views(self):
         store = self.new_store()
         store.put("k", {"t": torch.arange(1e5), "a": np.arange(5e4), "g": torch.ones(3, requires_grad=True)})
-        with open(os.path.join(store.path, "k.item"), "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
+        digest = hashlib.sha256(Path(store.path, "k.item").read_bytes()).hexdigest()
         first, second = store.get("k"), store.get("k")
         self.assertEqual(first["t"].data_ptr() % 64, 0)
         self.assertNotEqual(first["t"].data_ptr(), second["t"].data_ptr())
         first["t"] += 1  # private to this reader
         first["a"][:] = -1
         self.assertEqual((second["t"][:2].tolist(), second["a"][:2].tolist()), ([0.0, 1.0], [0.0, 1.0]))
-        with open(os.path.join(store.path, "k.item"), "rb") as f:
-            self.assertEqual(hashlib.sha256(f.read()).hexdigest(), digest)
+        self.assertEqual(hashlib.sha256(Path(store.path, "k.item").read_bytes()).hexdigest(), digest)
         self.assertFalse(store.get("k")["g"].requires_grad)  # stored detached
 
     def test_keys_and_refused_items(self):
@@ -131,11 +131,8 @@ class TestItems(StoreTestCase):
     def test_malformed_file_is_a_miss_and_removed(self, _, damage):
         store = self.new_store()
         store.put("k", {"x": "y" * 100})
-        path = os.path.join(store.path, "k.item")
-        with open(path, "rb") as f:
-            data = f.read()
-        with open(path, "wb") as f:
-            f.write(damage(data))
+        path = Path(store.path, "k.item")
+        path.write_bytes(damage(path.read_bytes()))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             self.assertEqual(store.get_or_compute("k", lambda: 1), 1)
@@ -165,7 +162,6 @@ class TestFaults(StoreTestCase):
             self.assertEqual(
                 [store.get("k"), store.put("k", 2), store.get_or_compute("k", lambda: 3)], [None, False, 3]
             )
-            store.discard(["k"])
         self.assertEqual(len(caught), 1, [str(w.message) for w in caught])
         self.assertFalse(os.path.exists(store.path))  # never made again
 
@@ -174,6 +170,7 @@ class TestFaults(StoreTestCase):
 class TestSecurity(StoreTestCase):
     @parameterized.expand(
         [("mode", "0o755, open to other users"), ("link", "symbolic link"), ("file", "not a directory"), ("uid", "uid")]
+        + [("unmarked", "not a directory that a store made")]  # a directory of the user's, given by mistake
     )
     def test_refuses(self, kind, message):
         path = os.path.join(self.root, "d")
@@ -183,9 +180,13 @@ class TestSecurity(StoreTestCase):
             open(path, "w").close()
         else:
             os.mkdir(path, 0o755 if kind == "mode" else 0o700)
+            for name in (".lock", "notes.txt", "a.item"):  # joined, its close() would remove them
+                open(os.path.join(path, name), "w").close()
         with mock.patch.object(os, "getuid", return_value=os.getuid() + (kind == "uid")):
             with self.assertRaisesRegex(PermissionError, message + ".*unpickled"):
                 SharedCacheStore(path)
+        if kind not in ("link", "file"):
+            self.assertEqual(sorted(os.listdir(path)), [".lock", "a.item", "notes.txt"])  # nothing removed
 
     def test_arguments_and_new_directory(self):
         store = self.new_store()
@@ -195,6 +196,45 @@ class TestSecurity(StoreTestCase):
             SharedCacheStore(os.path.join(self.root, "nope"))
         with self.assertRaises(ValueError):
             SharedCacheStore(store.path, root=self.root)
+
+    @parameterized.expand([("symlink",), ("hardlink",), ("fifo",)])
+    def test_planted_item_file_is_a_miss(self, kind):
+        store, other = self.new_store(), self.new_store()
+        other.put("k", "planted")
+        planted = os.path.join(store.path, "k.item")
+        if kind == "symlink":
+            os.symlink(os.path.join(other.path, "k.item"), planted)
+        elif kind == "hardlink":
+            os.link(os.path.join(other.path, "k.item"), planted)
+        else:
+            os.mkfifo(planted, 0o600)
+        before = Path(other.path, "k.item").read_bytes()
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(store.get("k", "miss")), daemon=True)
+        with self.assertWarnsRegex(RuntimeWarning, "not an item the store wrote"):
+            reader.start()
+            reader.join(TIMEOUT)  # a FIFO opened without O_NONBLOCK would block here forever
+        self.assertEqual(got, ["miss"])
+        self.assertEqual(Path(other.path, "k.item").read_bytes(), before)  # the target is untouched
+        self.assertEqual(store.get_or_compute("k", lambda: "mine"), "mine")  # replaces the planted entry only
+        self.assertEqual((store.get("k"), other.get("k")), ("mine", "planted"))
+
+    def test_renamed_and_replaced_directory(self):
+        store = self.new_store()
+        store.put("k", "mine")
+        moved = store.path + "-moved"
+        os.rename(store.path, moved)
+        os.mkdir(store.path, 0o700)  # a directory of the same name, without the store's items
+        Path(store.path, "k.item").write_bytes(b"not an item")
+        self.assertEqual(store.get("k"), "mine")  # read from the store's own directory, wherever it is now
+        with self.assertRaisesRegex(PermissionError, "refusing .*not a directory that a store made"):
+            pickle.loads(pickle.dumps(store))  # what a spawned DataLoader worker gets: it opens the path anew
+        Path(store.path, ".monai-cache").touch()  # even with the mark, it is not the same directory
+        with self.assertRaisesRegex(PermissionError, "no longer the directory of the store that was pickled"):
+            pickle.loads(pickle.dumps(store))
+        self.assertEqual(Path(store.path, "k.item").read_bytes(), b"not an item")
+        shutil.rmtree(store.path)
+        os.rename(moved, store.path)
 
 
 def _slow_writer(store: SharedCacheStore) -> None:

@@ -115,6 +115,16 @@ class TestLeftovers(unittest.TestCase):
         self.assertEqual(locks.cleanup_leftovers(self.root), [creating])
         self.assertEqual(os.listdir(self.root), ["not-a-store"])  # only stores are removed
 
+    def test_directory_named_so_without_the_mark_kept(self):
+        mine = os.path.join(self.root, locks.PREFIX + "mine")  # named like a store, made by the user
+        os.mkdir(mine, 0o700)
+        for name in (".lock", "a.item", "notes.txt"):
+            with open(os.path.join(mine, name), "w") as f:
+                f.write(name)
+        _backdate(mine, 60)  # as old as a crashed run's store
+        self.new_store()  # cleans the leftovers of this root
+        self.assertEqual(sorted(os.listdir(mine)), [".lock", "a.item", "notes.txt"])
+
     def test_store_in_use_kept(self):
         store = self.new_store()
         reader = pickle.loads(pickle.dumps(store))  # what a DataLoader worker gets: it does not participate

@@ -19,6 +19,7 @@ import tempfile
 import time
 import unittest
 import warnings
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -216,6 +217,8 @@ class TestPersistentStore(DistTestCase):
             self.assertEqual(self.open().get("a"), 1)  # every file of the store is private
         finally:
             os.umask(old)
+        modes = [stat.S_IMODE(os.stat(p).st_mode) for p in (os.path.dirname(self.path), self.path)]
+        self.assertEqual(modes, [0o700, 0o700])  # the missing parent that it made too
 
     def test_set_data_keeps_and_refresh_drops(self):
         store = self.open()
@@ -299,6 +302,37 @@ class TestPersistentStore(DistTestCase):
         os.symlink(os.path.join(self.tmp, "log"), os.path.join(self.path, ".budget"))
         with self.assertRaisesRegex(PermissionError, "\\.budget' in it is a symbolic link"):
             SharedCacheStore(self.path, persistent=True)
+
+    def test_opens_without_a_look_at_its_items(self):
+        store = self.open()
+        self.assertTrue(store.put("a", 1) and store.put("b", 2))
+        store.close()
+        writable, linked = sorted(os.path.join(self.path, n) for n in os.listdir(self.path) if n.endswith(".item"))
+        Path(self.log).write_text("mine")
+        os.chmod(writable, 0o666)
+        os.unlink(linked)
+        os.symlink(self.log, linked)
+        again = self.open()  # each item is checked when it is read, none at open
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "not an item the store wrote"
+            self.assertEqual((again.get("a"), again.get("b")), (None, None))  # never unpickled
+        self.assertEqual((again.get_or_compute("a", lambda: 3), again.get_or_compute("b", lambda: 4)), (3, 4))
+        self.assertEqual(Path(self.log).read_text(), "mine")  # the link was replaced, not followed
+        self.assertFalse(os.path.islink(linked))  # a file of the store's own now
+
+    def test_path_with_dot_entries_is_refused_and_kept(self):
+        path = os.path.join(self.tmp, "data")
+        for sub in (".tmp", ".counters"):
+            os.makedirs(os.path.join(path, sub), 0o700)
+            Path(path, sub, "0").write_text(sub)
+        for name in (".node-1", ".persistent", "x.item"):
+            Path(path, name).write_text(name)
+        os.chmod(path, 0o700)
+        with self.assertRaisesRegex(ValueError, "not empty and holds no persistent store"):
+            SharedCacheStore(path, persistent=True)
+        for name in (".tmp/0", ".counters/0", ".node-1", ".persistent", "x.item"):  # nothing removed or changed
+            self.assertEqual(Path(path, name).read_text(), os.path.dirname(name) or name)
+        self.assertEqual(len(os.listdir(path)), 5)
 
     def test_bad_arguments(self):
         with self.assertRaisesRegex(ValueError, "needs path"):

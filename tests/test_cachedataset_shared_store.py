@@ -23,8 +23,9 @@ from unittest import mock
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, SharedCacheStore
+from monai.data import CacheDataset, DataLoader, MetaTensor, SharedCacheStore
 from monai.data import _cache_budget as budget
+from monai.data import _cache_format as fmt
 from monai.transforms import Compose, RandomizableTransform, Transform
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
@@ -132,6 +133,20 @@ class TestProcessMode(unittest.TestCase):
         ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache="process")
         self.assertEqual(os.listdir(self.root), [os.path.basename(ds._cache.cache.store.path)])  # the dead run's: gone
         self.assertEqual([ds[i]["img"][0].item() for i in range(4)] * 2, [1.0, 2.0, 3.0, 4.0] * 2)
+
+    @needs_store
+    def test_metatensor_items_are_stored_out_of_band(self):
+        item = {"img": MetaTensor(torch.arange(6.0).reshape(2, 3), meta={"filename_or_obj": "a.nii"})}
+        chunks, _ = fmt.encode("k", item)
+        raw = item["img"].numpy().tobytes()
+        self.assertTrue(any(bytes(c) == raw for _, c in chunks[2:]))  # its bytes out of band, read back as a view
+        store = SharedCacheStore()
+        self.addCleanup(store.close)
+        store.put("k", item)
+        got = store.get("k")["img"]
+        self.assertEqual(
+            (type(got), got.meta["filename_or_obj"], got.tolist()), (MetaTensor, "a.nii", [[0, 1, 2], [3, 4, 5]])
+        )
 
     def test_without_fcntl(self):
         with mock.patch.object(SharedCacheStore, "supported", False):

@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Callable
+from typing import Any, Callable
 
 from monai.data import _cache_locks as locks
 
@@ -119,30 +119,30 @@ def cgroup_room() -> tuple[int, int] | None:
 class Budget:
     """The reserve and cap of one store, as its creator recorded them for all its users, and its count of bytes."""
 
-    def __init__(self, path: str, reserve: int | None = None, max_bytes: int | None = None) -> None:
-        self.path, self.reserve, self.max_bytes = path, reserve, max_bytes
-        self.memory = locks.fs_type(path) in _MEMORY_FS  # its pages count against the cgroup's memory
+    def __init__(self, d: Any, reserve: int | None = None, max_bytes: int | None = None) -> None:
+        self.dir, self.reserve, self.max_bytes = d, reserve, max_bytes  # d: the store's directory (a Dir)
+        self.memory = locks.fs_type(d.path) in _MEMORY_FS  # its pages count against the cgroup's memory
         self.recount: Callable[[], tuple[int, int]] | None = None  # the bytes of items and temporary files, items
         self._recounted: int | None = None  # the count of bytes that the last recount found
 
     @classmethod
-    def create(cls, path: str, reserve: int | None, max_bytes: int | None) -> None:
+    def create(cls, d: Any, reserve: int | None, max_bytes: int | None) -> None:
         """Record the budget of a new store; ``None`` takes the environment variable, then the default."""
         reserve = env_bytes(ENV_RESERVE) if reserve is None else reserve
         max_bytes = env_bytes(ENV_MAX_BYTES) if max_bytes is None else max_bytes
-        fd = os.open(os.path.join(path, BUDGET_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = d.open(BUDGET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "w") as f:
             json.dump({"reserve": reserve, "max_bytes": max_bytes}, f)
 
     @classmethod
-    def load(cls, path: str) -> Budget:
-        """The budget recorded in the store ``path`` (the defaults if none can be read)."""
+    def load(cls, d: Any) -> Budget:
+        """The budget recorded in the store ``d`` (the defaults if none can be read)."""
         try:
-            with open(os.path.join(path, BUDGET_FILE)) as f:
+            with os.fdopen(d.open_checked(BUDGET_FILE)) as f:
                 recorded = json.load(f)
-            return cls(path, recorded.get("reserve"), recorded.get("max_bytes"))
-        except (OSError, ValueError, AttributeError):
-            return cls(path)
+            return cls(d, recorded.get("reserve"), recorded.get("max_bytes"))
+        except (OSError, TypeError, ValueError, AttributeError):  # TypeError: not a private file (no descriptor)
+            return cls(d)
 
     def room_for(self, nbytes: int, made: Callable[[], object] | None = None) -> str | None:
         """
@@ -151,7 +151,7 @@ class Budget:
         recount finds the file of every writer that counted, and of no other.
         """
         try:
-            st = os.statvfs(self.path)
+            st = os.statvfs(self.dir.fd)
         except (OSError, AttributeError):
             st = None  # the write itself will tell what is wrong
         if st is not None:
@@ -195,7 +195,7 @@ class Budget:
         finds in the store, which the items removed or published before the call have left already: then only the
         bytes of a writer's item to come (``nbytes`` > 0) are added.
         """
-        fd = os.open(os.path.join(self.path, USED_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # per call:
+        fd = self.dir.open(USED_FILE, os.O_RDWR | os.O_CREAT)  # per call:
         try:  # threads too are kept apart by flock, which one descriptor shared by threads or a fork would not do
             fcntl.flock(fd, fcntl.LOCK_EX)
             data = os.pread(fd, _USED.size, 0)

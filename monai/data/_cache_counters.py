@@ -26,7 +26,7 @@ import os
 import struct
 import threading
 import weakref
-from typing import Any
+from typing import cast
 
 from monai.data import _cache_locks as locks
 
@@ -34,17 +34,18 @@ FIELDS = ("hits", "misses", "computed", "refused")
 HITS, MISSES, COMPUTED, REFUSED = range(len(FIELDS))
 _SLOT = struct.Struct(f"<{len(FIELDS)}q")
 SLOTS_DIR = ".counters"
+locks.DIRS.add(SLOTS_DIR)  # removed with the store
 _MAX_SLOTS = 4096
 
 
 class Counters:
     """
-    The counts of this process and, with ``path``, of all processes that counted in the store ``path``. A copy
-    pickled to another process counts for that process, from zero.
+    The counts of this process and, with ``d``, of all processes that counted in the store of the directory ``d`` (a
+    ``Dir``). A copy pickled to another process counts for that process alone, from zero.
     """
 
-    def __init__(self, path: str | None = None) -> None:
-        self._dir = None if path is None else os.path.join(path, SLOTS_DIR)
+    def __init__(self, d: locks.Dir | None = None) -> None:
+        self._at, self._dir = d, cast("locks.Dir | None", None)  # the store's directory; its slots' once opened
         self._lock = threading.Lock()
         self._pid = -1
         self._local = [0] * len(FIELDS)  # the events of this process
@@ -58,17 +59,19 @@ class Counters:
     def _attach(self) -> None:
         """Take a slot, at the first event of this process."""
         self._pid, self._local, self._slot, self._held = os.getpid(), [0] * len(FIELDS), [0] * len(FIELDS), None
-        if self._dir is None:
+        if self._at is None:
             return
         try:
-            os.mkdir(self._dir, 0o700)
-        except FileExistsError:
-            pass
+            try:
+                os.mkdir(SLOTS_DIR, 0o700, dir_fd=self._at.fd)
+            except FileExistsError:
+                pass
+            self._dir = locks.Dir(self._at.path, SLOTS_DIR, self._at)
         except OSError:
             return
         for i in range(_MAX_SLOTS):
             try:
-                held = locks.try_hold(os.path.join(self._dir, str(i)), os.O_CREAT)
+                held = locks.try_hold(str(i), os.O_CREAT, at=self._dir)
             except OSError:
                 return
             if held is not None:
@@ -105,28 +108,26 @@ class Counters:
 
     def total(self) -> dict[str, int]:
         """The counts of all processes, alive or not, that counted in the store (this process's own without one)."""
-        if self._dir is None:
+        if self._at is None:
             return self.local()
         sums = [0] * len(FIELDS)
         try:
-            names = os.listdir(self._dir)
+            slots = self._dir = self._dir or locks.Dir(self._at.path, SLOTS_DIR, self._at)
+            names = slots.names()
         except OSError:
             names = []
         for name in names:
             try:
-                with open(os.path.join(self._dir, name), "rb") as f:
+                with os.fdopen(slots.open_checked(name), "rb") as f:  # type: ignore[arg-type]
                     data = f.read(_SLOT.size)
-            except OSError:
+            except (OSError, TypeError):  # TypeError: not a private file
                 continue
             if len(data) == _SLOT.size:
                 sums = [a + b for a, b in zip(sums, _SLOT.unpack(data))]
         return dict(zip(FIELDS, sums)) if names else self.local()
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": None if self._dir is None else os.path.dirname(self._dir)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"])  # type: ignore[misc]
+    def __reduce__(self) -> tuple:
+        return Counters, ()
 
 
 def _after_fork_in_child() -> None:

@@ -10,11 +10,9 @@
 # limitations under the License.
 """
 The item files of :py:class:`monai.data.cache_store.SharedCacheStore`, read back without a copy: a reader maps a file
-privately, copy-on-write, and its arrays and tensors are views of the mapping, so their bytes sit raw and aligned in the
-file. A file is a prefix, the key (checked on read), a table of buffers, the protocol-5 pickle stream, then each
-out-of-band buffer (the bytes of a numpy array or CPU tensor), 64-byte aligned. An item comes from one mapping of one
-file: a file replaced while read yields the old item or the new one, never a mix. Files are written with ``os.pwrite``,
-so a full disk is an error, never a ``SIGBUS``.
+privately, copy-on-write, and its arrays and tensors are views of the mapping. A file is a prefix, the key (checked on
+read), a table of buffers, the protocol-5 pickle stream, then the bytes of each numpy array or CPU tensor, 64-byte
+aligned. An item comes from one mapping of one file: never a mix of two. ``os.pwrite`` makes a full disk an error.
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ VERSION = 1
 _PREFIX = struct.Struct("<8sHHIQIIQ")
 _ENTRY = struct.Struct("<QQ")
 _ALIGN = 64
+_FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"  # opens a descriptor's file again
 _SMALL_FILE = 64 * 1024  # smaller files are read into memory, larger ones mapped
 _GPU = "SharedCacheStore stores CPU tensors only, got one on {}: keep the cached transforms on the CPU and move the "
 _GPU += "data to the GPU after them, e.g. with EnsureTyped(keys, device=...) after the first random transform."
@@ -47,22 +46,9 @@ class CorruptItemError(Exception):
     """A file that is not a complete item of this format."""
 
 
-def _plain_state(cls: type) -> bool:
-    """Whether a tensor subclass (such as MetaTensor) pickles as its data plus ``__dict__``, so can be rebuilt."""
-    names = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
-    if any(getattr(cls, n, None) is not getattr(torch.Tensor, n, None) for n in names):
-        return False
-    return not any("__slots__" in vars(base) for base in cls.__mro__[: cls.__mro__.index(torch.Tensor)])
-
-
-def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple, cls: type, state: dict | None) -> torch.Tensor:
+def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype) if buffer is None else torch.frombuffer(buffer, dtype=torch.uint8)
-    t = t.view(dtype).reshape(shape)
-    if cls is not torch.Tensor:
-        t = t.as_subclass(cls)
-    if state:
-        t.__dict__.update(state)
-    return t
+    return t.view(dtype).reshape(shape)
 
 
 def _rebuild_ndarray(buffer: Any, dtype: np.dtype, shape: tuple, order: Any) -> np.ndarray:
@@ -78,19 +64,16 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch.Tensor):
             if obj.device.type != "cpu":
                 raise TypeError(_GPU.format(obj.device))
-            cls = type(obj)
-            if obj.layout is not torch.strided or obj.is_quantized or obj.is_nested:
-                return NotImplemented
-            if cls is not torch.Tensor and not _plain_state(cls):
-                return NotImplemented
-            data = obj.as_subclass(torch.Tensor).detach().resolve_conj().resolve_neg().contiguous()
+            if type(obj) is not torch.Tensor or obj.layout is not torch.strided or obj.is_quantized or obj.is_nested:
+                return NotImplemented  # torch's own pickling
+            data = obj.detach().resolve_conj().resolve_neg().contiguous()
             buffer = None
             if data.numel():
                 try:
                     buffer = pickle.PickleBuffer(cast(Any, data.reshape(-1).view(torch.uint8).numpy()))
                 except (RuntimeError, TypeError):  # sub-byte dtypes: torch's own pickling
                     return NotImplemented
-            return _rebuild_tensor, (buffer, data.dtype, tuple(data.shape), cls, getattr(obj, "__dict__", None))
+            return _rebuild_tensor, (buffer, data.dtype, tuple(data.shape))
         if type(obj) in (np.ndarray, np.memmap) and not obj.dtype.hasobject:
             arr = obj.view(np.ndarray)
             order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
@@ -141,17 +124,21 @@ def write_item(fd: int, chunks: list[tuple[int, memoryview]]) -> None:
             data, offset = data[n:], offset + n
 
 
-def read_file(path: str) -> tuple[memoryview, int]:
+def read_file(d: Any, name: str) -> tuple[memoryview, int]:
     """
-    A private, writable copy-on-write view of the file ``path``, and its inode; no file descriptor stays open.
+    A private, writable copy-on-write view of the file ``name`` in the store directory ``d`` (checked before a byte
+    is read: see ``Dir.open_checked``), and its inode; no file descriptor stays open.
 
     Raises:
-        FileNotFoundError: there is no file at ``path`` (or it was replaced while it was mapped).
+        FileNotFoundError: there is no file at ``name`` (or it was replaced while it was mapped).
+        PermissionError: it is a link, or not a regular file of this user that others cannot write.
         OSError: the file cannot be read or mapped.
     """
-    fd = os.open(path, os.O_RDONLY)
+    found = d.open_checked_stat(name)  # one fstat: the check's
+    if found is None:
+        raise PermissionError(errno.EPERM, "a link, or not a private file: not an item the store wrote", name)
+    fd, st = found
     try:
-        st = os.fstat(fd)
         if st.st_size < _SMALL_FILE:  # read into an aligned buffer
             arr = np.empty(st.st_size + _ALIGN, dtype=np.uint8)
             start = -arr.__array_interface__["data"][0] % _ALIGN
@@ -159,16 +146,12 @@ def read_file(path: str) -> tuple[memoryview, int]:
             while got < st.st_size and (n := os.readv(fd, [view[got:]])):
                 got += n
             return view[:got], st.st_ino
+        try:  # a MAP_PRIVATE mapping of the opened file, that holds no descriptor, unmapped with its last view
+            storage = torch.UntypedStorage.from_file(f"{_FD_DIR}/{fd}", shared=False, nbytes=st.st_size)
+        except RuntimeError as err:  # truncated meanwhile, or the mapping failed
+            raise OSError(errno.EIO, str(err), name) from err
     finally:
         os.close(fd)
-    try:  # a MAP_PRIVATE mapping that holds no descriptor, unmapped with its last view
-        storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=st.st_size)
-    except RuntimeError as err:  # replaced by a smaller file meanwhile (a miss), or the mapping failed
-        try:
-            same = os.stat(path).st_ino == st.st_ino
-        except OSError:
-            same = False
-        raise OSError(errno.EIO if same else errno.ENOENT, str(err), path) from err
     array = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage)).numpy()
     return memoryview(cast(Any, array)), st.st_ino
 

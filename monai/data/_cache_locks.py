@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import tempfile
 import time
@@ -38,9 +37,101 @@ AVAILABLE = fcntl is not None
 ENV_ROOT = "MONAI_CACHE_ROOT"  # where new stores are created, instead of /dev/shm
 PREFIX = "monai-cache-"
 LOCK_FILE = ".lock"
+MARK = ".monai-cache"  # written into every directory the store makes: no other directory is joined or removed
+NAMES, DIRS = {LOCK_FILE, MARK}, {".tmp"}  # what the store makes in its directory: all that it removes
 _PATIENCE = 0.25  # seconds a leaver waits for children forked just before to close their copy of its lock
 _POLL_MIN, _POLL_MAX = 0.001, 0.05
-_OPEN = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_OPEN = os.O_RDWR | _NOFOLLOW
+
+
+class Dir:
+    """
+    A directory of a store, opened once without following a link and checked (``fstat``: this user's, mode
+    ``0o700``): every later operation goes through its descriptor, so renaming or replacing the path redirects none.
+
+    Raises:
+        FileNotFoundError: there is no directory at ``path``.
+        PermissionError: it is a symbolic link, or not a private directory of this user; with ``mark``, or not one
+            that the store made.
+    """
+
+    def __init__(self, path: str, name: str | None = None, at: Dir | None = None, mark: bool = False) -> None:
+        self.path: str = path if at is None else os.path.join(at.path, name or "")
+        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
+        try:
+            self.fd: int = os.open(path if at is None else name or "", flags, dir_fd=None if at is None else at.fd)
+        except OSError as err:
+            if err.errno != errno.ENOENT:
+                raise _refuse(self.path, "a symbolic link or not a directory") from err
+            raise FileNotFoundError(errno.ENOENT, f"SharedCacheStore: {self.path!r} does not exist") from None
+        self._finalizer = weakref.finalize(self, os.close, self.fd)  # never while in use: no descriptor is reused
+        st = self.ident = os.fstat(self.fd)
+        if st.st_uid != os.getuid():
+            raise _refuse(self.path, f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
+        if st.st_mode & 0o077:
+            raise _refuse(self.path, f"of mode {oct(stat.S_IMODE(st.st_mode))}, open to other users (not 0o700)")
+        if mark:
+            try:
+                found = self.open_checked_stat(MARK)
+            except FileNotFoundError:
+                found = None
+            if found is None:
+                raise _refuse(self.path, f"not a directory that a store made (it has no {MARK} file of this user)")
+            os.close(found[0])
+
+    def moved(self) -> bool:
+        """Whether ``path`` no longer names this directory: removed, or renamed away and replaced."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != (self.ident.st_dev, self.ident.st_ino)
+
+    def open(self, name: str, flags: int, mode: int = 0o600) -> int:
+        return os.open(name, flags | _NOFOLLOW, mode, dir_fd=self.fd)
+
+    def open_checked_stat(self, name: str) -> tuple[int, os.stat_result] | None:
+        """``name`` opened to read, and its status, if a regular file of this user, of one link, that others cannot
+        write."""
+        try:
+            fd = self.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO does not block
+        except OSError as err:
+            if err.errno == errno.ELOOP:  # a symbolic link
+                return None
+            raise
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022 and st.st_nlink == 1:
+            return fd, st
+        os.close(fd)
+        return None
+
+    def stat(self, name: str) -> os.stat_result:
+        return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+
+    def unlink(self, name: str) -> None:
+        os.unlink(name, dir_fd=self.fd)
+
+    def names(self) -> list[str]:
+        with os.scandir(self.fd) as it:
+            return [e.name for e in it]
+
+    def remove(self, every: bool = False) -> None:
+        """Remove what the store made here (:py:data:`NAMES`, ``*.item``, :py:data:`DIRS`; ``every`` file of one of
+        :py:data:`DIRS`), never more."""
+        for name in self.names():
+            if name in DIRS:
+                try:
+                    Dir(self.path, name, self).remove(every=True)  # its files are the store's
+                except OSError:
+                    pass
+            elif every or name in NAMES or name.endswith(".item"):
+                unlink_quiet(name, self)
+        try:  # the directory itself, if it is still at its path (rmdir removes only an empty directory)
+            if not self.moved():
+                os.rmdir(self.path)
+        except OSError:
+            pass
 
 
 class Held:
@@ -70,46 +161,37 @@ def _close_in_forked_children() -> None:  # in a forked child, the inherited loc
         os.register_at_fork(after_in_child=lambda: [held.close() for held in list(_HELD)])
 
 
-def unlink_quiet(path: str) -> None:
+def unlink_quiet(path: str, at: Dir | None = None) -> None:
     try:
-        os.unlink(path)
+        os.unlink(path, dir_fd=None if at is None else at.fd)
     except OSError:
         pass
 
 
-def _same_file(fd: int, path: str) -> bool:
+def _same_file(fd: int, path: str, at: Dir | None = None) -> bool:
     """Whether ``fd`` is still the file at ``path`` (not removed or replaced since it was opened)."""
     try:
-        st, fst = os.stat(path), os.fstat(fd)
+        st, fst = os.stat(path, dir_fd=None if at is None else at.fd, follow_symlinks=False), os.fstat(fd)
     except OSError:
         return False
     return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
-def _try_lock(fd: int, how: int) -> bool:
-    try:
-        fcntl.flock(fd, how | fcntl.LOCK_NB)
-    except (BlockingIOError, PermissionError):
-        return False
-    return True
-
-
-def try_hold(path: str, flags: int = 0, shared: bool = False) -> Held | None:
+def try_hold(path: str, flags: int = 0, shared: bool = False, at: Dir | None = None) -> Held | None:
     """
-    Open ``path`` (with ``flags``, such as ``O_CREAT``) and lock it without waiting; ``None`` if someone holds a
-    conflicting lock, or (a shared lock) if the file was removed or replaced meanwhile.
+    Open ``path`` (in the directory ``at``, with ``flags``, such as ``O_CREAT``) and lock it without waiting; ``None``
+    if someone holds a conflicting lock, or (a shared lock) if the file was removed or replaced meanwhile.
     """
     while True:
-        held = Held(os.open(path, _OPEN | flags, 0o600))
+        held = Held(os.open(path, _OPEN | flags, 0o600, dir_fd=None if at is None else at.fd))
         try:
-            locked = _try_lock(held.fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-        except BaseException:  # such as ENOLCK: no descriptor is left open
+            fcntl.flock(held.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BaseException as err:  # no descriptor is left open, after ENOLCK say
             held.close()
+            if isinstance(err, (BlockingIOError, PermissionError)):  # someone holds a conflicting lock
+                return None
             raise
-        if not locked:
-            held.close()
-            return None
-        if _same_file(held.fd, path):
+        if _same_file(held.fd, path, at):
             return held
         held.close()
         if shared:
@@ -119,46 +201,47 @@ def try_hold(path: str, flags: int = 0, shared: bool = False) -> Held | None:
 # -- participation ----------------------------------------------------------------------------------------------------
 
 
-def create(path: str) -> Held:
-    """Make the lock file of the new store ``path``, and participate."""
-    held = Held(os.open(os.path.join(path, LOCK_FILE), _OPEN | os.O_CREAT | os.O_EXCL, 0o600))
+def create(d: Dir) -> Held:
+    """Mark the new store ``d`` as made by a store, make its lock file, and participate."""
+    os.close(d.open(MARK, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    held = Held(d.open(LOCK_FILE, _OPEN | os.O_CREAT | os.O_EXCL))
     fcntl.flock(held.fd, fcntl.LOCK_SH)
     return held
 
 
-def join(path: str) -> Held:
+def join(d: Dir) -> Held:
     """
-    Participate in the existing store ``path``.
+    Participate in the existing store ``d``.
 
     Raises:
         FileNotFoundError: the store is gone, or being removed (only a remover holds its lock exclusively).
     """
-    held = try_hold(os.path.join(path, LOCK_FILE), shared=True)
+    held = try_hold(LOCK_FILE, shared=True, at=d)
     if held is None:
-        raise FileNotFoundError(errno.ENOENT, "the store is being removed", path)
+        raise FileNotFoundError(errno.ENOENT, "the store is being removed", d.path)
     return held
 
 
-def _remove_if_unheld(path: str, patience: float = 0.0) -> bool:
-    """Remove the store ``path`` if no one participates, holding its lock meanwhile; whether it was removed."""
+def _remove_if_unheld(d: Dir, patience: float = 0.0) -> bool:
+    """Remove the store ``d`` if no one participates, holding its lock meanwhile; whether it was removed."""
     deadline = time.monotonic() + patience
     while True:
         try:
-            held = try_hold(os.path.join(path, LOCK_FILE))
+            held = try_hold(LOCK_FILE, at=d)
         except OSError:
             return False
         if held is not None:
-            shutil.rmtree(path, ignore_errors=True)
+            d.remove()
             held.close()
-            return not os.path.lexists(path)
+            return not os.path.lexists(d.path)
         if time.monotonic() > deadline:
             return False
         time.sleep(_POLL_MAX / 5)
 
 
-def leave(path: str, held: Held) -> bool:
+def leave(d: Dir, held: Held) -> bool:
     """Stop participating; remove the store if no participant is left."""
-    return held.close() and _remove_if_unheld(path, _PATIENCE)
+    return held.close() and _remove_if_unheld(d, _PATIENCE)
 
 
 # -- directories ------------------------------------------------------------------------------------------------------
@@ -176,23 +259,8 @@ def default_root() -> str:
     return tempfile.gettempdir()
 
 
-def check_private(path: str) -> None:
-    """Refuse (``PermissionError``) a store directory that another user could have written: its items are unpickled."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            errno.ENOENT, f"SharedCacheStore: {path!r} does not exist (a store is removed with its last user)", path
-        ) from None
-    problem = None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        problem = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
-    elif st.st_uid != os.getuid():
-        problem = f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-    elif st.st_mode & 0o077:
-        problem = f"of mode {oct(stat.S_IMODE(st.st_mode))}, open to other users (it must be 0o700)"
-    if problem:
-        raise PermissionError(
-            f"SharedCacheStore: refusing {path!r}, {problem}: its items are unpickled when read, and unpickling "
-            "data written by someone else can run arbitrary code."
-        )
+def _refuse(path: str, problem: str) -> PermissionError:
+    return PermissionError(
+        f"SharedCacheStore: refusing {path!r}, {problem}: its items are unpickled when read, and unpickling data "
+        "written by someone else can run arbitrary code. Give the path of a store that this user made."
+    )

@@ -81,7 +81,7 @@ def check_local(path: str) -> None:
 
 
 def _refuse(path: str, name: str, problem: str) -> PermissionError:
-    what = "it" if name == path else f"{name!r} in it"
+    what = f"{name!r} in it"
     return PermissionError(
         f"SharedCacheStore: refusing the persistent store {path!r}: {what} is {problem}. Its items are unpickled when "
         "read, and unpickling data written by someone else can run arbitrary code. If you trust its content, make it "
@@ -90,48 +90,37 @@ def _refuse(path: str, name: str, problem: str) -> PermissionError:
     )
 
 
-def _write(path: str, text: str) -> None:
+def _write(d: locks.Dir, name: str, text: str) -> None:
     """
-    Replace the small file ``path`` by one holding ``text``, mode ``0o600``, on disk whole or not at all. It is written
+    Replace the small file ``name`` by one holding ``text``, mode ``0o600``, on disk whole or not at all. It is written
     in ``.tmp``, held while written, where the cleaner of dead temporary files removes it if its writer is killed.
     """
-    store, name = os.path.split(path)
-    new = os.path.join(store, TMP, f"{name}-{os.getpid()}-{time.monotonic_ns()}-0")  # ends with the bytes it counts
-    held = locks.open_temp(new)
+    tmp = locks.Dir(d.path, TMP, d)
+    new = f"{name}-{os.getpid()}-{time.monotonic_ns()}-0"  # ends with the bytes it counts: none (see _cache_budget)
+    held = locks.open_temp(new, tmp)
     try:
         os.write(held.fd, text.encode())
         os.fsync(held.fd)
-        os.replace(new, path)
+        os.replace(new, name, src_dir_fd=tmp.fd, dst_dir_fd=d.fd)
     finally:
         held.close()
-    _sync_dir(store)
-
-
-def _sync_dir(path: str) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
+        os.fsync(d.fd)
     except OSError:  # not every platform syncs a directory
         pass
-    finally:
-        os.close(fd)
 
 
-def write_budget(path: str, reserve: int | None, max_bytes: int | None) -> None:
+def write_budget(d: locks.Dir, reserve: int | None, max_bytes: int | None) -> None:
     """
-    Record the budget of the persistent store ``path``: the values given replace the recorded ones, the others stay.
+    Record the budget of the persistent store ``d``: the values given replace the recorded ones, the others stay.
     A new store's reserve is, by default, at least a tenth of its file system: a disk holds checkpoints and logs too.
     """
-    record = os.path.join(path, budget.BUDGET_FILE)
-    old = budget.Budget.load(path) if os.path.exists(record) else None
+    old = budget.Budget.load(d) if _exists(d, budget.BUDGET_FILE) else None
     if old is None:
         reserve = budget.env_bytes(budget.ENV_RESERVE) if reserve is None else reserve
         max_bytes = budget.env_bytes(budget.ENV_MAX_BYTES) if max_bytes is None else max_bytes
         if reserve is None:
-            st = os.statvfs(path)
+            st = os.statvfs(d.fd)
             total = st.f_blocks * st.f_frsize
             reserve = max(budget.default_reserve(total), total // 10)
     elif reserve is None and max_bytes is None:
@@ -139,96 +128,117 @@ def write_budget(path: str, reserve: int | None, max_bytes: int | None) -> None:
     else:
         reserve = old.reserve if reserve is None else reserve
         max_bytes = old.max_bytes if max_bytes is None else max_bytes
-    _write(record, json.dumps({"reserve": reserve, "max_bytes": max_bytes}))
+    _write(d, budget.BUDGET_FILE, json.dumps({"reserve": reserve, "max_bytes": max_bytes}))
 
 
-def _problem(st: os.stat_result, others: int) -> str | None:
-    """What is wrong with a file of status ``st`` in a persistent store, if anything; ``others``: the mode bits
-    that others must not have."""
+def _problem(st: os.stat_result) -> str | None:
+    """What is wrong with a file of status ``st`` in a persistent store, if anything."""
     if stat.S_ISLNK(st.st_mode):
         return "a symbolic link"
     if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
         return "neither a regular file nor a directory"
     if st.st_uid != os.getuid():
         return f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-    if st.st_mode & others:
-        return (
-            f"of mode {oct(stat.S_IMODE(st.st_mode))}, " + ("open to" if others == 0o077 else "writable by") + " others"
-        )
+    if st.st_mode & 0o022:
+        return f"of mode {oct(stat.S_IMODE(st.st_mode))}, writable by others"
     return None
 
 
-def check_files(path: str) -> None:
+def _exists(d: locks.Dir, name: str) -> bool:
+    try:
+        d.stat(name)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def check_files(d: locks.Dir) -> None:
     """
-    Refuse (``PermissionError``) a persistent directory that is a symbolic link, not this user's or open to others,
-    or in which a file is a symbolic link, not this user's, or writable by others.
+    Refuse (``PermissionError``) a persistent store in which a file of the store's own (not an item: each is checked
+    when read, and else a miss) is a symbolic link, not this user's, or writable by others (the directory itself was
+    checked when it was opened). No directory of items is listed: opening costs the same with any number of items.
     """
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
-        raise NotADirectoryError(
-            errno.ENOTDIR, "SharedCacheStore: the path of a persistent store is not a directory", path
-        )
-    problem = _problem(st, 0o077)
-    if problem:
-        raise _refuse(path, path, problem)
-    with os.scandir(path) as it:
-        entries = [(e.path, e.stat(follow_symlinks=False)) for e in it]
-    for sub in [name for name, st in entries if stat.S_ISDIR(st.st_mode)]:  # .tmp and .counters
+    entries = []
+    for name in sorted(locks.NAMES | locks.DIRS | {budget.BUDGET_FILE, _SESSION, _EVICT}):
         try:
-            with os.scandir(sub) as it:
-                entries += [(e.path, e.stat(follow_symlinks=False)) for e in it]
+            entries.append((name, d.stat(name)))
+        except FileNotFoundError:
+            pass
+    for sub in [name for name, st in entries if name in locks.DIRS and stat.S_ISDIR(st.st_mode)]:
+        try:  # .tmp, .counters and .notes: a file per process
+            at = locks.Dir(d.path, sub, d)
+            entries += [(os.path.join(sub, name), at.stat(name)) for name in at.names()]
         except FileNotFoundError:
             pass
     for name, st in entries:
-        problem = _problem(st, 0o022)
+        problem = _problem(st)
         if problem:
-            raise _refuse(path, name, problem)
+            raise _refuse(d.path, name, problem)
 
 
-def open_dir(path: str) -> None:
+def _make_private(path: str) -> None:
+    """Make the directory ``path`` and its missing parents, each of mode ``0o700`` whatever the umask."""
+    parent = os.path.dirname(path)
+    if parent != path and not os.path.isdir(parent):
+        _make_private(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def open_dir(path: str) -> locks.Dir:
     """
-    Make the persistent store ``path`` if missing (mode ``0o700``), check it and every file in it, and mark it.
+    Open the persistent store ``path``, made if missing (mode ``0o700``, parents included): a directory that the store
+    made (it has its mark), or an empty one, which is marked.
 
     Raises:
-        PermissionError: see :py:func:`check_files`.
-        ValueError: ``path`` is a directory that holds other files and no store, or a store of another layout.
+        PermissionError: ``path`` is a symbolic link, not this user's or open to others.
+        ValueError: ``path`` holds something and no store, or a store of another layout.
     """
     if os.path.basename(path).startswith(locks.PREFIX):  # the cleaners of older versions would remove it
         raise ValueError(
             f"SharedCacheStore: the name of a persistent store must not start with {locks.PREFIX!r}, the prefix of "
             f"temporary stores, got {path!r}."
         )
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
+    _make_private(path)
+    d = locks.Dir(path)
+    if not _exists(d, locks.MARK):  # a store's directory is never listed: it may hold many items
+        names = d.names()
+        if not names:  # empty: marked first, so that from now on it is a store's, whatever interrupts the rest
+            try:
+                os.close(d.open(locks.MARK, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            except FileExistsError:  # marked by another process meanwhile
+                pass
+        elif locks.MARK not in names:
+            raise ValueError(
+                f"SharedCacheStore: {path!r} is not empty and holds no persistent store (it holds {sorted(names)[:3]} "
+                f"and no {locks.MARK}, the mark of a store; a persistent store of an older version has none, and is not "
+                "reused): give the path of a new or empty directory, or of a persistent store."
+            )
+    d = locks.Dir(path, mark=True)
     try:
-        os.mkdir(path, 0o700)
-        os.chmod(path, 0o700)  # whatever the umask
+        os.mkdir(TMP, 0o700, dir_fd=d.fd)
     except FileExistsError:
         pass
-    check_files(path)
-    os.makedirs(os.path.join(path, TMP), 0o700, exist_ok=True)  # before any record is written: see _write
-    marker = os.path.join(path, locks.PERSISTENT)
+    if not _exists(d, locks.PERSISTENT):  # a new store, or one whose start was interrupted
+        _write(d, locks.PERSISTENT, json.dumps({"layout": LAYOUT}))
     try:
-        with open(marker) as f:
+        with os.fdopen(d.open_checked(locks.PERSISTENT)) as f:  # type: ignore[arg-type]
             layout = json.load(f).get("layout")
-    except FileNotFoundError:
-        other = sorted(n for n in os.listdir(path) if not n.startswith(".") and not n.endswith(".item"))
-        if other:
-            raise ValueError(
-                f"SharedCacheStore: {path!r} is not empty and holds no persistent store (no {locks.PERSISTENT} file; "
-                f"it holds {other[:3]}): give the path of a new or empty directory, or of a persistent store."
-            ) from None
+    except (OSError, TypeError, ValueError, AttributeError):
         layout = None
-    except (ValueError, AttributeError):  # a marker that a crash of the node left empty: items check themselves
-        layout = None
-    if layout is None:
-        _write(marker, json.dumps({"layout": LAYOUT}))
-        layout = LAYOUT
     if layout != LAYOUT:
         raise ValueError(
             f"SharedCacheStore: {path!r} is a persistent store of layout {layout!r}, and this version reads layout "
             f"{LAYOUT}: clear it (remove the directory) or choose another path."
         )
+    return d
 
 
 def _lock(fd: int, how: int, timeout: float) -> bool:
@@ -244,124 +254,125 @@ def _lock(fd: int, how: int, timeout: float) -> bool:
             time.sleep(0.005)
 
 
-def join(path: str, reserve: int | None = None, max_bytes: int | None = None) -> tuple[locks.Held, int]:
+def join(d: locks.Dir, reserve: int | None = None, max_bytes: int | None = None) -> tuple[locks.Held, int]:
     """
-    Participate in the persistent store ``path``: the lock held, and the start of the current session (in the file
+    Participate in the persistent store ``d``: the lock held, and the start of the current session (in the file
     system's clock, in ns). The first participant after none starts a session: it records the budget (see
     :py:func:`write_budget`), gives up the counts of the gone processes of the last one, and touches ``.session``.
     A participant that joins a session keeps to the budget recorded, and is told if it asked for another.
     """
-    held = locks.Held(os.open(os.path.join(path, locks.LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    held = locks.Held(d.open(locks.LOCK_FILE, os.O_RDWR | os.O_CREAT))
     try:
-        session = os.path.join(path, _SESSION)
         if _lock(held.fd, fcntl.LOCK_EX, 0.0):  # no one else uses the store: a new session
-            write_budget(path, reserve, max_bytes)
-            slots = os.path.join(path, counters.SLOTS_DIR)
-            for name in os.listdir(slots) if os.path.isdir(slots) else []:
-                slot = locks.try_hold(os.path.join(slots, name))
+            write_budget(d, reserve, max_bytes)
+            try:
+                slots = locks.Dir(d.path, counters.SLOTS_DIR, d)
+            except FileNotFoundError:
+                slots = None
+            for name in slots.names() if slots is not None else []:
+                slot = locks.try_hold(name, at=slots)
                 if slot is not None:  # not held by a live process, such as a last DataLoader worker
-                    locks.unlink_quiet(os.path.join(slots, name))
+                    locks.unlink_quiet(name, slots)
                     slot.close()
-            _start_session(path)
+            _start_session(d)
         else:
-            _tell_other_budget(path, reserve, max_bytes)
+            _tell_other_budget(d, reserve, max_bytes)
         if not _lock(held.fd, fcntl.LOCK_SH, _WAIT):
-            raise OSError(errno.EAGAIN, "another process holds the store's lock exclusively", path)
+            raise OSError(errno.EAGAIN, "another process holds the store's lock exclusively", d.path)
         try:
-            start = os.stat(session).st_mtime_ns
+            start = d.stat(_SESSION).st_mtime_ns
         except FileNotFoundError:  # its first user was killed before making it
-            start = _start_session(path)
+            start = _start_session(d)
     except BaseException:
         held.close()
         raise
     return held, start
 
 
-def _tell_other_budget(path: str, reserve: int | None, max_bytes: int | None) -> None:
+def _tell_other_budget(d: locks.Dir, reserve: int | None, max_bytes: int | None) -> None:
     """Warn if the budget asked for differs from the one that the store's current session keeps to."""
-    recorded = budget.Budget.load(path)
+    recorded = budget.Budget.load(d)
     asked = {"reserve": (reserve, recorded.reserve), "max_bytes": (max_bytes, recorded.max_bytes)}
     other = [f"{name}={old} (asked: {new})" for name, (new, old) in asked.items() if new is not None and new != old]
     if other:
         warnings.warn(
-            f"SharedCacheStore {path}: another run uses this persistent store, and its budget holds for this run too: "
-            f"{', '.join(other)}. A budget given is recorded when a run opens the store that no other run uses.",
+            f"SharedCacheStore {d.path}: another run uses this persistent store, and its budget holds for this run "
+            f"too: {', '.join(other)}. A budget given is recorded when a run opens the store that no other run uses.",
             RuntimeWarning,
             stacklevel=4,
         )
 
 
-def _start_session(path: str) -> int:
+def _start_session(d: locks.Dir) -> int:
     """
     Touch ``.session`` twice, until its second time (the file system's clock, at its granularity) is later than its
     first, and so than that of every item written so far: an item is of an earlier session if and only if it is older
     than ``.session``. No item is looked at: a session starts as fast with many items as with few.
     """
-    session = os.path.join(path, _SESSION)
-    _write(session, str(os.getpid()))
-    latest = os.stat(session).st_mtime_ns
+    _write(d, _SESSION, str(os.getpid()))
+    latest = d.stat(_SESSION).st_mtime_ns
     deadline = time.monotonic() + 2.5  # a file system that keeps whole seconds may need one
     while True:
-        os.utime(session, follow_symlinks=False)
-        start = os.stat(session, follow_symlinks=False).st_mtime_ns
+        os.utime(_SESSION, dir_fd=d.fd, follow_symlinks=False)
+        start = d.stat(_SESSION).st_mtime_ns
         if start > latest or time.monotonic() > deadline:
             return start
         time.sleep(0.001)
 
 
-def session_start(path: str) -> int:
-    """The start of the current session of the store ``path`` (for a process that does not participate)."""
+def session_start(d: locks.Dir) -> int:
+    """The start of the current session of the store ``d`` (for a process that does not participate)."""
     try:
-        return os.stat(os.path.join(path, _SESSION)).st_mtime_ns
+        return d.stat(_SESSION).st_mtime_ns
     except OSError:
         return time.time_ns()
 
 
-def touch(path: str, st: os.stat_result, start: int) -> bool:
+def touch(d: locks.Dir, name: str, st: os.stat_result, start: int) -> bool:
     """
-    Record a use of the item file ``path`` in the session of ``start``: its access time, of the status ``st`` that was
+    Record a use of the item file ``name`` in the session of ``start``: its access time, of the status ``st`` that was
     read before the use (a read may set it too). Whether it was the first use in this session of an earlier item.
     """
     now = time.time_ns()
     if st.st_atime_ns >= start and now - st.st_atime_ns <= _TOUCH_NS:  # renewed once a second at most
         return False
     try:
-        if os.stat(path, follow_symlinks=False).st_ino != st.st_ino:  # replaced meanwhile
+        if d.stat(name).st_ino != st.st_ino:  # replaced meanwhile
             return False
-        os.utime(path, ns=(now, st.st_mtime_ns), follow_symlinks=False)  # the mtime: when written
+        os.utime(name, ns=(now, st.st_mtime_ns), dir_fd=d.fd, follow_symlinks=False)  # the mtime: when written
     except OSError:
         return False
     return st.st_atime_ns < start and st.st_mtime_ns < start
 
 
-def _items(path: str) -> list[tuple[int, int, int, str]]:
-    """``(atime, mtime, size, path)`` of every item file of the store ``path``."""
+def _items(d: locks.Dir) -> list[tuple[int, int, int, str]]:
+    """``(atime, mtime, size, name)`` of every item file of the store ``d``."""
     found = []
     try:
-        with os.scandir(path) as it:
+        with os.scandir(d.fd) as it:
             for e in it:
                 if e.name.endswith(".item"):
                     try:
                         st = e.stat(follow_symlinks=False)
                     except OSError:
                         continue
-                    found.append((st.st_atime_ns, st.st_mtime_ns, st.st_size, e.path))
+                    found.append((st.st_atime_ns, st.st_mtime_ns, st.st_size, e.name))
     except OSError:
         pass
     return found
 
 
-def evict(path: str, start: int, nbytes: int, budget_: Any) -> int | None:
+def evict(d: locks.Dir, start: int, nbytes: int, budget_: Any) -> int | None:
     """
     Remove the least recently used items of earlier sessions until an item of ``nbytes`` fits ``budget_`` (its
     ``max_bytes`` and the reserve on the store's file system); the bytes removed, or ``None`` if no item of an earlier
     session is left (none can appear during the session). Items used since ``start`` stay.
     """
-    held = locks.Held(os.open(os.path.join(path, _EVICT), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    held = locks.Held(d.open(_EVICT, os.O_RDWR | os.O_CREAT))
     try:
         if not _lock(held.fd, fcntl.LOCK_EX, _WAIT):  # another process evicts for as long: let it
             return 0
-        items = _items(path)
+        items = _items(d)
         old = sorted(i for i in items if i[0] < start)  # least recently used first
         if not old:
             return None
@@ -369,7 +380,7 @@ def evict(path: str, start: int, nbytes: int, budget_: Any) -> int | None:
         if budget_.max_bytes is not None:
             excess = sum(size for _, _, size, _ in items) + nbytes - budget_.max_bytes
         try:
-            st = os.statvfs(path)
+            st = os.statvfs(d.fd)
             free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
             reserve = budget.default_reserve(total) if budget_.reserve is None else budget_.reserve
             excess = max(excess, reserve - (free - nbytes))
@@ -380,7 +391,7 @@ def evict(path: str, start: int, nbytes: int, budget_: Any) -> int | None:
             if removed >= excess:
                 break
             try:
-                os.unlink(item)
+                d.unlink(item)
                 removed, gone = removed + size, gone + 1
             except OSError:
                 pass

@@ -17,13 +17,12 @@ import hashlib
 import os
 import re
 import secrets
-import shutil
 import tempfile
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from monai.data import _cache_format as fmt
 from monai.data import _cache_locks as locks
@@ -38,15 +37,21 @@ _WARN_LOCK = threading.Lock()
 _UNCACHED = "Items are computed without the cache from now on in this process."
 
 
-def _attach(cls: type[SharedCacheStore], path: str) -> SharedCacheStore:
-    """Unpickle a store: attach to its directory without participating (in a DataLoader worker, say)."""
+def _attach(cls: type[SharedCacheStore], path: str, ident: tuple[int, int]) -> SharedCacheStore:
+    """Unpickle a store without participating (in a DataLoader worker, say): open and check its directory anew."""
     store = cls.__new__(cls)
-    store._setup(path)
     try:
-        locks.check_private(path)
+        d = locks.Dir(path, mark=True)
     except FileNotFoundError as err:
-        store._gone = True
+        store._setup(path, None)
         store._warn_once("the directory is gone", err)
+        return store
+    if (d.ident.st_dev, d.ident.st_ino) != ident:
+        raise PermissionError(
+            f"SharedCacheStore: refusing {path!r}, no longer the directory of the store that was pickled (it was "
+            "renamed away and replaced): its items are unpickled when read. Make a new store."
+        )
+    store._setup(path, d)
     return store
 
 
@@ -70,7 +75,7 @@ class SharedCacheStore:
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows).
         FileNotFoundError: ``path`` does not exist, or ``MONAI_CACHE_ROOT`` names no directory.
-        PermissionError: ``path`` is not a private directory of this user.
+        PermissionError: ``path`` is not a private directory of this user, or not one that a store made.
         ValueError: both ``path`` and ``root`` are given.
 
     Example:
@@ -91,8 +96,6 @@ class SharedCacheStore:
     """
 
     supported = locks.AVAILABLE  # whether stores can be made here (not without fcntl, as on Windows)
-    _gone: bool  # closed, or the directory is gone: always miss
-    _writable: bool  # False after a persistent write error
 
     def __init__(self, path: str | os.PathLike | None = None, *, root: str | os.PathLike | None = None) -> None:
         if not self.supported:
@@ -103,34 +106,37 @@ class SharedCacheStore:
         if path is not None:
             if root is not None:
                 raise ValueError("root is where a new store is made: give path or root, not both.")
-            self._setup(os.path.abspath(os.fspath(path)))
-            locks.check_private(self._path)
+            path = os.path.abspath(os.fspath(path))
+            self._setup(path, locks.Dir(path, mark=True))
             try:
-                self._hold(locks.join(self._path))
+                self._hold(locks.join(self._dir))
             except FileNotFoundError as err:  # removed by its last participant meanwhile
                 self._gone = True
                 self._warn_once("the directory is gone", err)
             return
         root = locks.default_root() if root is None else os.fspath(root)
-        new = os.path.abspath(tempfile.mkdtemp(prefix=locks.PREFIX, dir=root))
+        new = locks.Dir(os.path.abspath(tempfile.mkdtemp(prefix=locks.PREFIX, dir=root)))  # mode 0o700
         try:
             held = locks.create(new)
-            os.mkdir(os.path.join(new, _TMP), 0o700)
+            os.mkdir(_TMP, 0o700, dir_fd=new.fd)
         except BaseException:
-            shutil.rmtree(new, ignore_errors=True)
+            new.remove()
             raise
-        self._setup(new)
+        self._setup(new.path, new)
         self._hold(held)
 
-    def _setup(self, path: str) -> None:
-        self._path, self._tmp = path, os.path.join(path, _TMP)
-        self._gone, self._writable = False, True
+    def _setup(self, path: str, d: locks.Dir | None) -> None:
+        """Set the store up on its directory ``d``, opened and checked; ``None``: gone, or not to be used."""
+        self._dir = cast(locks.Dir, d)  # None only for a store that is gone, which never uses it
+        self._path, self._tmp = path, cast(locks.Dir, None if d is None else locks.Dir(path, _TMP, d))
+        self._ident = (0, 0) if d is None else (d.ident.st_dev, d.ident.st_ino)  # what unpickling checks
+        self._gone, self._writable = d is None, True  # gone: closed, or the directory is gone (always a miss)
         self._warned: set[tuple[int, str]] = set()  # (pid, what): each process warns once per store
         self._finalizer: weakref.finalize | None = None
 
     def _hold(self, held: locks.Held) -> None:
         # at close(), garbage collection or exit; a forked child has closed the inherited lock already
-        self._finalizer = weakref.finalize(self, locks.leave, self._path, held)
+        self._finalizer = weakref.finalize(self, locks.leave, self._dir, held)
 
     @property
     def path(self) -> str:
@@ -141,7 +147,7 @@ class SharedCacheStore:
         return f"{type(self).__name__}({self._path!r})"
 
     def __reduce__(self) -> tuple:
-        return _attach, (type(self), self._path)
+        return _attach, (type(self), self._path, self._ident)
 
     def get(self, key: str, default: Any = None) -> Any:
         """The item stored under ``key`` (arrays and tensors: private copy-on-write views), or ``default``."""
@@ -160,20 +166,20 @@ class SharedCacheStore:
         except Exception as err:  # before any file is made; the item is computed without the cache
             self._warn_once("cannot store some items", err, fmt.UNSTORABLE)
             return False
-        tmp = os.path.join(self._tmp, f"{self._stem(key)}-{secrets.token_hex(8)}")
+        tmp = f"{self._stem(key)}-{secrets.token_hex(8)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+            fd = self._tmp.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
                 fmt.write_item(fd, chunks)
-                os.replace(tmp, self._file(key, ".item"))
+                os.replace(tmp, self._file(key, ".item"), src_dir_fd=self._tmp.fd, dst_dir_fd=self._dir.fd)
             finally:
                 os.close(fd)
         except OSError as err:
-            locks.unlink_quiet(tmp)
+            locks.unlink_quiet(tmp, self._tmp)
             self._fault("cannot write items", err)
             return False
         except BaseException:
-            locks.unlink_quiet(tmp)
+            locks.unlink_quiet(tmp, self._tmp)
             raise
         return True
 
@@ -184,17 +190,6 @@ class SharedCacheStore:
             item = compute()
             self.put(key, item)
         return item
-
-    def discard(self, keys: Iterable[str]) -> None:
-        """Remove the items stored under ``keys``, and nothing else: other datasets may keep items here."""
-        for key in keys:
-            try:
-                if not self._gone:
-                    os.unlink(self._file(key, ".item"))
-            except FileNotFoundError:
-                pass
-            except OSError as err:
-                self._fault("cannot remove items", err)
 
     def close(self) -> None:
         """Stop using the store here; remove it if no other process uses it. A DataLoader worker's copy never does."""
@@ -207,13 +202,13 @@ class SharedCacheStore:
         return key if _SAFE_KEY.fullmatch(key) else hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
     def _file(self, key: str, suffix: str) -> str:
-        return os.path.join(self._path, self._stem(key) + suffix)
+        return self._stem(key) + suffix  # in the store's directory
 
     def _read(self, key: str) -> Any:
         path, ino = self._file(key, ".item"), None
         try:
             if not self._gone:
-                buf, ino = fmt.read_file(path)
+                buf, ino = fmt.read_file(self._dir, path)
                 return fmt.decode(buf, key)
         except FileNotFoundError:
             pass
@@ -221,8 +216,8 @@ class SharedCacheStore:
             self._warn_once("cannot read items", err)
         except fmt.CorruptItemError:
             try:
-                if os.lstat(path).st_ino == ino:  # not one published since
-                    os.unlink(path)
+                if self._dir.stat(path).st_ino == ino:  # not one published since
+                    self._dir.unlink(path)
             except OSError:
                 pass
         except Exception as err:  # e.g. a class that this process cannot import
@@ -231,8 +226,8 @@ class SharedCacheStore:
 
     def _fault(self, what: str, err: OSError) -> None:
         """Degrade after an error of the file system: warn once, and stop using the store or writing to it."""
-        if not os.path.isdir(self._path):
-            self._gone, what = True, "the directory is gone"
+        if self._dir.moved():
+            self._gone, what = True, "the directory is gone or replaced"
         elif err.errno in _PERSISTENT:
             self._writable = False
         self._warn_once(what, err)

@@ -9,9 +9,10 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The store as another local user attacks it (PR 13). Needs root: a second, ordinary user (``monai-attacker``) is made
-for the tests and removed after them; its actions are shell commands run with ``setpriv``. The victim is this process
-(root's privileges do not matter here: the store checks who owns what, not who may access it).
+The store as another local user attacks it (the checked directory of PR 02, the cleaners of PR 03, the persistent
+store of PR 11). Needs root: a second, ordinary user (``monai-attacker``) is made for the tests and removed after them;
+its actions are shell commands run with ``setpriv``. The victim is this process (root's privileges do not matter
+here: the store checks who owns what, not who may access it).
 
 The attacker can write the parent of the victim's store (a shared project directory, mode 0777), renames the store
 away and puts a directory of its own in its place, holding everything a store holds: the mark, the files of a
