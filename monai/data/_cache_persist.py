@@ -24,8 +24,8 @@ four things must hold across them:
   exclusively) starts one, by touching ``.session``. Reads set the access time of an item, so the items of earlier
   sessions can be evicted least recently used first (:py:func:`evict`), while those of the current session never
   are: epochs read every item in turn, and least-recently-used eviction would drop each one just before its next use;
-- **safe**: items are unpickled, so the directory and every file in it must be this user's, closed to others, and no
-  symbolic link (:py:func:`check_files`).
+- **safe**: items are unpickled, so the directory and the store's own files in it must be this user's, closed to
+  others, and no symbolic link (:py:func:`check_files`); each item is checked when it is read, and else is a miss.
 """
 
 from __future__ import annotations
