@@ -96,6 +96,8 @@ class SharedCacheStore:
     """
 
     supported = locks.AVAILABLE  # whether stores can be made here (not without fcntl, as on Windows)
+    _gone: bool  # closed, or the directory is gone: always miss
+    _writable: bool  # False after a persistent write error
 
     def __init__(self, path: str | os.PathLike | None = None, *, root: str | os.PathLike | None = None) -> None:
         if not self.supported:
@@ -130,7 +132,7 @@ class SharedCacheStore:
         self._dir = cast(locks.Dir, d)  # None only for a store that is gone, which never uses it
         self._path, self._tmp = path, cast(locks.Dir, None if d is None else locks.Dir(path, _TMP, d))
         self._ident = (0, 0) if d is None else (d.ident.st_dev, d.ident.st_ino)  # what unpickling checks
-        self._gone, self._writable = d is None, True  # gone: closed, or the directory is gone (always a miss)
+        self._gone, self._writable = d is None, True
         self._warned: set[tuple[int, str]] = set()  # (pid, what): each process warns once per store
         self._finalizer: weakref.finalize | None = None
 
