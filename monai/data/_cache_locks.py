@@ -123,6 +123,7 @@ class Dir:
             if name in DIRS:
                 try:
                     Dir(self.path, name, self).remove(every=True)  # its files are the store's
+                    os.rmdir(name, dir_fd=self.fd)  # through this directory, even if its path has moved
                 except OSError:
                     pass
             elif every or name in NAMES or name.endswith(".item"):
