@@ -38,12 +38,14 @@ usage: ./runtests.sh [--unittests] [--quick] [--mode MODE] [--codeformat] [--doc
                   lay the PR series onto MONAI's layout (DIR's tests/ and docs/ with 1.6.1's monai/) in a scratch
                   directory, PR by PR, as MONAI's CI would take it: sizes, forbidden tokens, MONAI's flake8
                   configuration and plugins, every new test file with unittest and QUICKTEST=True, default, spawn
-                  and nofcntl; a line per PR and per file (build_backend/upstream_ci.py)
+                  and nofcntl; a line per PR and per file (build_backend/upstream_ci.py); with -- --wheel weekly,
+                  onto MONAI's development branch (the newest monai-weekly wheel) instead of the 1.6.1 release
   --build         build the wheel and sdist into dist/
   --clean         remove build/, dist/ and caches
   -h, --help      this help
 
 Extra arguments after -- go to pytest, e.g. ./runtests.sh --unittests -- -k hash_as_key
+(with --upstream-ci, to build_backend/upstream_ci.py, e.g. -- --wheel weekly)
 USAGE
 }
 
@@ -146,7 +148,7 @@ fi
 
 if [ -n "$upstream_ci" ]; then
     ensure_deps torch numpy parameterized
-    $PY build_backend/upstream_ci.py "$upstream_ci"
+    $PY build_backend/upstream_ci.py "$upstream_ci" ${extra[@]+"${extra[@]}"}
     exit $?
 fi
 

@@ -583,6 +583,8 @@ class Stage:
         # tokens that must not appear in the lines this PR adds (one per line, literal text)
         self.forbids = [ln.strip() for ln in fields.get("forbids", "").splitlines() if ln.strip()]
         self.max_lines = int(fields["max_lines"]) if fields.get("max_lines") else None
+        # the commit message of a PR whose patches carry none (a PR of new modules only), as What/Why paragraphs
+        self.message = fields.get("message", "").strip()
 
 
 def read_series(src_root: Path = ROOT) -> list[Stage]:
@@ -671,8 +673,9 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
     whole to MONAI's repository, and with ``--include='monai/*' --include='tests/*'`` to an unpacked wheel.
 
     Raises:
-        BuildError: a PR is over its size caps, mentions a name that a later PR adds, adds a forbidden token, or
-            exports a test that needs the fork's own test modules.
+        BuildError: a PR is over its size caps, mentions a name that a later PR adds, adds a forbidden token,
+            exports a test that needs the fork's own test modules, or has no commit message (no patch header and no
+            ``message`` in the series).
     """
     git = ["git", "-c", "user.name=MONAI shared-cache fork", "-c", "user.email=monai-sharedcache@users.noreply.invalid"]
     git += ["-c", "commit.gpgsign=false", "-c", "core.autocrlf=false"]
@@ -694,7 +697,7 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
         run("add", "-A")
         run("commit", "-q", "-m", f"MONAI {UPSTREAM_VERSION}")
         for st in stages:
-            descriptions, docs_diffs = [], []
+            descriptions, docs_diffs = [st.message] if st.message else [], []
             for rel in st.overlay:
                 (repo / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src_root / rel, repo / rel)
@@ -727,6 +730,8 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
                             shutil.copyfile(f, dest)
                         else:
                             dest.write_text(page, encoding="utf-8")
+            if not any(d.strip() for d in descriptions):
+                raise BuildError(f"PR {st.name} has no commit message: none of its patches has a header; give it one")
             run("add", "-A")
             run("commit", "-q", "-m", st.title)
             diff = run("diff", "HEAD~1", "HEAD") + "".join(docs_diffs)

@@ -25,6 +25,10 @@ from DIR's ``tests/``, ``docs/``, ``setup.cfg`` and ``requirements-dev.txt`` wit
   ``fcntl`` (Windows), through ``tests/modes/``.
 After the last PR, every test file of the series runs again the three ways. One line per PR, per check and per file;
 the exit status is 1 if anything failed.
+
+``--wheel weekly`` (or the path of a wheel) takes ``monai/`` from MONAI's development branch instead of the pinned
+release: the newest ``monai-weekly`` wheel on the package index, which is where the series has to apply once it is
+proposed. Such a wheel is a test input, never a build input: the fork itself builds from the pinned release only.
 """
 
 from __future__ import annotations
@@ -65,8 +69,21 @@ def _sizes(numstat: str) -> tuple[int, int]:
     return code, docs
 
 
-def make_layout(checkout: Path, scratch: Path) -> Path:
-    """MONAI's layout in ``scratch/repo``: the checkout's tests, docs and configuration with 1.6.1's ``monai/``."""
+def weekly_wheel(dest: Path) -> Path:
+    """The newest ``monai-weekly`` wheel (MONAI's development branch, built weekly), downloaded into ``dest``."""
+    args = ["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q"]
+    proc = _run([sys.executable, *args, "-d", str(dest), "monai-weekly"], timeout=900)
+    wheels = sorted(dest.glob("monai_weekly-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise SystemExit(f"cannot download monai-weekly from the package index: {proc.stderr.strip()[-2000:]}")
+    return wheels[-1]
+
+
+def make_layout(checkout: Path, scratch: Path, upstream: Path | None = None) -> Path:
+    """
+    MONAI's layout in ``scratch/repo``: the checkout's tests, docs and configuration with the ``monai/`` of the
+    wheel ``upstream``, by default the pinned 1.6.1 release (verified by its sha256).
+    """
     repo = scratch / "repo"
     repo.mkdir()
     for name in ("tests", "docs"):
@@ -75,10 +92,12 @@ def make_layout(checkout: Path, scratch: Path) -> Path:
         if (checkout / name).is_file():
             shutil.copyfile(checkout / name, repo / name)
     wheel = scratch / "wheel"
-    build.unpack_upstream(build.find_upstream_wheel(), wheel)
+    upstream = upstream or build.find_upstream_wheel()
+    build.unpack_upstream(upstream, wheel)
     shutil.copytree(wheel / "monai", repo / "monai")
+    print(f"MONAI's layout: tests and docs of {checkout}, monai/ of {upstream.name}")
     git = ["git", "-c", "user.name=ci", "-c", "user.email=ci@invalid", "-c", "commit.gpgsign=false"]
-    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "MONAI 1.6.1 in MONAI's layout"]):
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", f"{upstream.name} in MONAI's layout"]):
         _run(git + cmd, cwd=repo, check=True)
     return repo
 
@@ -133,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1] if __doc__ else None)
     parser.add_argument("checkout", help="a checkout of MONAI's repository (tests/, docs/, setup.cfg)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory and print its path")
+    parser.add_argument(
+        "--wheel",
+        help="take monai/ from this wheel instead of the pinned release; 'weekly' downloads the newest monai-weekly",
+    )
     args = parser.parse_args(argv)
     checkout = Path(args.checkout).resolve()
     if not (checkout / "tests").is_dir() or not (checkout / "setup.cfg").is_file():
@@ -146,7 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         pr_dir = scratch / "pr"
         build.export_series(pr_dir)
         summary = {row["name"]: row for row in json.loads((pr_dir / "series.json").read_text())}
-        repo = make_layout(checkout, scratch)
+        upstream = None
+        if args.wheel == "weekly":
+            upstream = weekly_wheel(scratch / "weekly")
+        elif args.wheel:
+            upstream = Path(args.wheel).resolve()
+            if not upstream.is_file() or upstream.suffix != ".whl":
+                print(f"--wheel: {upstream} is not a wheel file; give a path or 'weekly'", file=sys.stderr)
+                return 2
+        repo = make_layout(checkout, scratch, upstream)
         lint = lint_python(checkout, scratch)
         all_modules: list[str] = []
         for st in build.read_series():

@@ -82,7 +82,7 @@ class TestProcessMode(unittest.TestCase):
             for b in batches:
                 self.assertTrue(torch.equal(b["img"], b["src"].float().view(-1, 1).expand_as(b["img"]) + 1))
 
-    @parameterized.expand([(ctx,) for ctx in multiprocessing.get_all_start_methods() if ctx != "forkserver"])
+    @parameterized.expand([(ctx,) for ctx in multiprocessing.get_all_start_methods()])
     @needs_store
     def test_workers_share_one_store(self, ctx):
         ds = CacheDataset(list(range(8)), Compose([Load(self.log), AddOne()]), runtime_cache="process", copy_cache=True)

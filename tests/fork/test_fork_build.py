@@ -239,6 +239,9 @@ class TestPRSeries(unittest.TestCase):
             self.assertLessEqual(row["docs"], build.DOCS_CAP, st.name)
             text = (Path(self.tmp) / "pr" / f"{st.name}.patch").read_text()
             self.assertTrue(text.startswith("From: "), st.name)
+            message = text.split("\n\n", 1)[1].split("\nSigned-off-by: ")[0]  # the commit message under the subject
+            self.assertRegex(message, r"What: .+\n(.+\n)*\nWhy: ", st.name)
+            self.assertIn(f"\nSigned-off-by: {build.PATCH_AUTHOR}\n\ndiff --git ", text)  # MONAI's DCO check
             self.assertNotIn("b/tests/fork/", text)  # the fork's own tests stay here
             self.assertNotIn("b/tests/test_utils.py", text)  # MONAI has its own
             for name in ("api.rst", "index.rst", "conf.py", "data.rst"):  # MONAI's docs are changed, never created
