@@ -33,6 +33,7 @@ from parameterized import parameterized
 from monai.data import CacheDataset, DataLoader, SharedCacheStore
 from monai.data import _cache_counters as cache_counters
 from monai.data import create_shared_cache
+from monai.data.shared_cache import process_cpus, share_of_cpus
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
 from tests.test_utils import DistCall, DistTestCase, SkipIfNoModule, skip_if_quick
 
@@ -208,6 +209,19 @@ class TestFill(DistTestCase):
             with self.assertRaisesRegex(ValueError, "num_threads must be a positive integer"):
                 ds.fill(num_threads=bad)  # type: ignore[arg-type]
 
+    @parameterized.expand(
+        [
+            ("alone", {0, 1, 2, 3}, [{0, 1, 2, 3}], 4),
+            ("unbound ranks share the node", {0, 1, 2, 3}, [{0, 1, 2, 3}, {0, 1, 2, 3}], 2),
+            ("ranks bound to their own cores", {0, 1}, [{0, 1}, {2, 3}], 2),
+            ("at most this rank's cores", {0}, [{0}, {1, 2, 3, 4, 5}], 1),
+            ("more ranks than cores", {0, 1}, [{0, 1}] * 4, 1),
+        ]
+    )
+    def test_share_of_cpus(self, _, mine: set, node: list, expected: int) -> None:
+        """A rank's share of its node's CPUs: the CPUs of the node's ranks, divided evenly among them."""
+        self.assertEqual(share_of_cpus(mine, node), expected)
+
     def test_fill_without_waiting(self) -> None:
         """``fill(wait=False)`` of an item that another thread computes returns ``False`` at once, computing nothing."""
         store = self.runtime_cache("store")
@@ -293,6 +307,22 @@ class TestFill(DistTestCase):
         self.assertEqual(sorted(set(by.values())), sorted(pids))  # both ranks computed
         self.assertEqual(ds.cache_stats()["process"], {"hits": N, "misses": 0, "computed": mine, "refused": 0})
         self.assertEqual(counts(ds.cache_stats()["cache"]), {"hits": 2 * N, "misses": 0, "computed": N, "refused": 0})
+        dist.barrier()
+        store.close()
+
+    @skip_if_quick
+    @needs_store
+    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
+    def test_ranks_fill_with_their_share_of_the_node(self) -> None:
+        """By default each rank fills with its share of the node's CPUs (``node_cpus``), not with all of them."""
+        store = create_shared_cache(root=self.tmp, timeout=TIMEOUT)
+        expected = share_of_cpus(process_cpus(), [set(c) for c in gather(sorted(process_cpus()))])
+        self.assertEqual(store.node_cpus, expected)
+        threads: set = set()
+        slow = Lambda(lambda i: (threads.add(threading.get_ident()), time.sleep(0.05), {"i": i})[-1])
+        ds = CacheDataset(list(range(N)), Compose([slow]), runtime_cache=store, progress=False)
+        ds.fill()
+        self.assertTrue(1 <= len(threads) <= expected, (threads, expected))
         dist.barrier()
         store.close()
 

@@ -13,10 +13,10 @@ Recipe: fill one cache per node before training, the work split across the node'
 
     torchrun --standalone --nproc_per_node=2 fill_before_training.py
 
-Every rank calls ``create_shared_cache()`` once, then ``ds.fill()``: each rank computes its share of the items (with
-``num_workers`` threads and a progress bar), skips the items another rank is computing and waits for them at the end,
-so when ``fill`` returns the node's cache is full and every item was computed once on the machine. ``fill`` makes no
-collective call. The first epoch then runs at cached speed. ``ds.cache_stats()`` is printed after each epoch.
+Every rank calls ``create_shared_cache()`` once, then ``ds.fill()``: each rank computes its share of the items (with its
+share of the node's CPUs in threads, and a progress bar), skips the items another rank is computing and waits for them
+at the end, so when ``fill`` returns the node's cache is full and every item was computed once on the machine. ``fill``
+makes no collective call. The first epoch then runs at cached speed. ``ds.cache_stats()`` is printed after each epoch.
 """
 
 from __future__ import annotations
