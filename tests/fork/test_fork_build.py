@@ -301,9 +301,11 @@ class TestPRSeries(unittest.TestCase):
     @unittest.skipIf(QUICK or MODE, "slow: runs every stage's tests against its own tree (in the default run only)")
     def test_each_stage_applies_and_passes_its_tests(self):
         """
-        Apply the PRs in turn to one unpacked upstream wheel; after each, run its exported tests there as MONAI's CI
-        runs a PR: unittest in MONAI's layout (tests/data/, the stand-in of tests/test_utils.py), ``QUICKTEST=True``.
-        The main pass runs every test, slow and fork-only ones included, against the whole series.
+        Apply the PRs in turn to one unpacked upstream wheel; after each, lint the files of ``monai/`` it changes with
+        MONAI's flake8 configuration (an import that only a later PR uses is caught at its stage), and run its exported
+        tests there as MONAI's CI runs a PR: unittest in MONAI's layout (tests/data/, the stand-in of
+        tests/test_utils.py), ``QUICKTEST=True``. The main pass runs every test, slow and fork-only ones included,
+        against the whole series.
         """
         tree = Path(self.tmp) / "upstream"
         with zipfile.ZipFile(build.find_upstream_wheel()) as zf:
@@ -318,6 +320,11 @@ class TestPRSeries(unittest.TestCase):
             cmd = ["git", "apply", "--include=monai/*", "--include=tests/*", patch]
             proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
             self.assertEqual(proc.returncode, 0, f"{st.name}: {proc.stderr}")
+            text = Path(patch).read_text()
+            files = sorted({ln[6:] for ln in text.splitlines() if ln.startswith("+++ b/monai/") and ln.endswith(".py")})
+            cmd = [sys.executable, "-m", "flake8", "--config", str(ROOT / "setup.cfg"), *files]
+            proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=600)
+            self.assertEqual(proc.returncode, 0, f"{st.name}, MONAI's flake8: {proc.stdout}{proc.stderr}")
             modules = [f"tests.data.{t[:-3]}" for t in st.tests]
             cmd = [sys.executable, "-m", "unittest", *modules]
             proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
