@@ -18,7 +18,7 @@ BUILD="$PY build_backend/monai_sharedcache_build.py"
 TREE=build/tree
 
 usage() {
-    cat <<USAGE
+    cat <<'USAGE'
 usage: ./runtests.sh [--unittests] [--quick] [--mode MODE] [--codeformat] [--docs] [--export-patch]
                      [--upstream-tests DIR] [--upstream-ci DIR] [--build] [--clean] [-h]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 import unittest
 from pathlib import Path
@@ -97,6 +98,14 @@ class TestConventions(unittest.TestCase):
             self.assertTrue(path.read_text(encoding="utf-8").startswith(HEADER), f"{path}: no MONAI license header")
         for path in (ROOT / f for f in overlay if not f.name.startswith("_")):
             self.assertIn("__all__", path.read_text(encoding="utf-8"), path)
+
+    def test_runtests_help_is_printed_as_written(self):
+        """``./runtests.sh --help`` prints its text unchanged: no shell expansion of its backquotes, nothing on stderr."""
+        out = subprocess.run(
+            ["bash", str(ROOT / "runtests.sh"), "--help"], capture_output=True, text=True, timeout=60, check=False
+        )
+        self.assertEqual((out.returncode, out.stderr), (0, ""))
+        self.assertIn("(also a Python where `import fcntl` fails, as on Windows)", out.stdout)
 
 
 if __name__ == "__main__":
