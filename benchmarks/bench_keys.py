@@ -9,16 +9,19 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-What the keys of PR 12 cost (``PYTHONPATH=build/tree python benchmarks/bench_keys.py [--entries 10000] [--dir DIR]``):
+What the keys of PR 12 cost (``PYTHONPATH=build/tree python benchmarks/bench_keys.py [--entries 10000] [--dir DIR]
+[--upstream DIR]``):
 
 - the fingerprint of a typical MONAI pipeline (``LoadImaged``, ``EnsureChannelFirstd``, ``Spacingd``,
   ``ScaleIntensityRanged``, ``CropForegroundd``): the first one in a fresh interpreter, and again;
-- constructing a ``CacheDataset`` with a runtime cache over ``--entries`` entries of 2 files each on ``--dir`` (a local
-  disk by default: a directory under the current one), with a ``hash_func`` that sees names only (as before PR 12),
-  with file stamps the first time in a process (every file hashed; 1 and 4 threads), and again (stat calls only).
+- the constructor and ``set_data`` of a ``CacheDataset`` with a runtime cache over ``--entries`` entries, each in a
+  fresh interpreter: entries naming a 100-byte file each, entries naming a 24 MB file each (sparse: no disk is
+  used, but a key that read them would read 24 MB each), and entries whose label names a directory of ``--entries``
+  files; then the first read of every item's key (``ds._cache[i]``: one stat per file). With ``--upstream DIR`` (a
+  tree of pristine MONAI 1.6.1: ``python build_backend/monai_sharedcache_build.py pristine DIR``) the same runs on
+  upstream, whose runtime cache computes no key.
 
-Prints a table and writes ``benchmarks/output/keys.json``. The files are small (two 4 KiB ``.npy`` files per entry) and
-in the page cache after they are written: this measures the stat calls and the hashing, not the disk.
+Prints a table and writes ``benchmarks/output/keys.json``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,50 +59,61 @@ print(first, again[len(again) // 2])
 """
 
 
-def construct(data: list, **kwargs) -> float:
-    from monai.data import CacheDataset
-    from monai.transforms import Compose, LoadImaged
+CONSTRUCT = """
+import json, sys, time
+from monai.data import CacheDataset
+from monai.transforms import Compose, Lambda
+data = json.load(open(sys.argv[1]))
+t0 = time.perf_counter()
+ds = CacheDataset(data, Compose([Lambda(lambda d: d)]), runtime_cache=[], progress=False)
+built = time.perf_counter() - t0
+t0 = time.perf_counter()
+ds.set_data(data)
+again = time.perf_counter() - t0
+t0 = time.perf_counter()
+keys = getattr(ds, "_runtime_keys", None)
+for i in range(len(data)):
+    keys[i] if hasattr(keys, "known") else None
+print(built, again, time.perf_counter() - t0)
+"""
 
-    t0 = time.perf_counter()
-    CacheDataset(data, Compose([LoadImaged(["image", "label"])]), runtime_cache=[], progress=False, **kwargs)
-    return time.perf_counter() - t0
 
-
-def names_only(entry: dict) -> bytes:
-    from monai.data.utils import pickle_hashing
-
-    return pickle_hashing(entry)
+def construct(tree: str, data_file: str) -> list[float]:
+    env = {**os.environ, "PYTHONPATH": tree}
+    cmd = [sys.executable, "-c", CONSTRUCT, data_file]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800, env=env)
+    return [float(v) for v in out.stdout.split()[-3:]]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--entries", type=int, default=10000)
     parser.add_argument("--dir", default=None, help="where the input files go (default: a directory under .)")
+    parser.add_argument("--upstream", default=None, help="a tree of pristine MONAI 1.6.1, to compare with")
     args = parser.parse_args()
-    import numpy as np
-
     import monai
-    from monai.data import _cache_keys
 
     out = subprocess.run([sys.executable, "-c", PIPELINE], capture_output=True, text=True, check=True, timeout=600)
     first, again = map(float, out.stdout.split())
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(monai.__file__)))
+    trees = {"fork": tree, **({"upstream": args.upstream} if args.upstream else {})}
     where = tempfile.mkdtemp(prefix="bench-keys-", dir=args.dir or ".")
+    results: dict[str, dict[str, list[float]]] = {}
     try:
-        data = []
+        sets: dict[str, list] = {"100-byte files": [], "24 MB files": [], "a label naming a directory": []}
+        os.makedirs(os.path.join(where, "train"))
         for i in range(args.entries):
-            entry = {k: os.path.join(where, f"{k}{i}.npy") for k in ("image", "label")}
-            for path in entry.values():
-                np.save(path, np.zeros(1000, np.float32))
-            data.append(entry)
-        past = time.time_ns() - 60 * 10**9  # older than RACY_SECONDS, as a dataset's files are
-        for entry in data:
-            for path in entry.values():
-                os.utime(path, ns=(past, past))
-        results = {"names only": construct(data, hash_func=names_only)}
-        for threads in (1, 4):
-            _cache_keys._digests.clear()
-            results[f"stamps, first ({threads} thread{'s' * (threads > 1)})"] = construct(data, num_workers=threads)
-        results["stamps, again (1 thread)"] = statistics.median(construct(data) for _ in range(3))
+            for kind, size in (("small", 100), ("large", 24 * 10**6)):
+                with open(os.path.join(where, f"{kind}{i}.bin"), "wb") as f:
+                    f.truncate(size)  # sparse: its size without its blocks
+            open(os.path.join(where, "train", f"f{i}"), "wb").close()
+            sets["100-byte files"].append({"image": os.path.join(where, f"small{i}.bin"), "id": i})
+            sets["24 MB files"].append({"image": os.path.join(where, f"large{i}.bin"), "id": i})
+            sets["a label naming a directory"].append({"id": i, "site": os.path.join(where, "train")})
+        for name, data in sets.items():
+            data_file = os.path.join(where, "data.json")
+            Path(data_file).write_text(json.dumps(data))
+            results[name] = {label: construct(path, data_file) for label, path in trees.items()}
     finally:
         shutil.rmtree(where, ignore_errors=True)
     report = {
@@ -111,11 +124,16 @@ def main() -> None:
         "fingerprint_again_ms": again * 1e3,
         "construct_s": results,
     }
-    print(f"MONAI {monai.__version__}, {args.entries} entries of 2 files")
+    print(f"MONAI {monai.__version__}, {args.entries} entries")
     print(f"fingerprint of the typical pipeline: first {first * 1e3:.2f} ms, again {again * 1e3:.3f} ms")
-    base = results["names only"]
-    for name, seconds in results.items():
-        print(f"construct, {name:28s} {seconds:8.3f} s  {seconds / base:6.2f}x names only")
+    small = results["100-byte files"]["fork"][0]
+    for name, runs in results.items():
+        for label, (built, again_s, keys) in runs.items():
+            line = f"{name:27s} {label:8s} constructor {built:7.3f} s ({built / args.entries * 1e6:6.1f} us/entry)"
+            line += f", set_data {again_s:7.3f} s, {built / small:5.2f}x 100-byte files"
+            if label == "fork":
+                line += f"; first use of the keys {keys:6.3f} s"
+            print(line)
     Path("benchmarks/output").mkdir(parents=True, exist_ok=True)
     Path("benchmarks/output/keys.json").write_text(json.dumps(report, indent=1) + "\n")
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import unittest
 import numpy as np
 
 from monai.data import SharedCacheStore
-from monai.data._cache_keys import known_digests, learn_digests, stamp_files
+from monai.data._cache_keys import file_digest
 
 TIMEOUT = 120
 
@@ -82,11 +83,12 @@ class TestDigestsAcrossRuns(unittest.TestCase):
         edited = self.run_script()
         self.assertEqual((edited["reads"], edited["computed"], edited["values"]), (2, 1, [1.0, 11.0, 3.0]))
 
-        record = os.path.join(self.store, ".notes", "kept-digests")
-        with open(record, "w") as f:  # torn and malformed: every file is read again, the items are reused
-            f.write('{"/no/such": [1, 2], "%s": "not an entry"' % self.files[0])
+        name = hashlib.sha256(self.files[0].encode()).hexdigest()[:40]
+        record = os.path.join(self.store, ".notes", f"kept-digest-{name}")  # one record per file
+        with open(record, "w") as f:  # torn: that file is read again, the items are reused
+            f.write("[1, 2")
         damaged = self.run_script()
-        self.assertEqual((damaged["reads"], damaged["computed"], damaged["values"]), (3, 0, [1.0, 11.0, 3.0]))
+        self.assertEqual((damaged["reads"], damaged["computed"], damaged["values"]), (1, 0, [1.0, 11.0, 3.0]))
 
     def test_only_a_private_record_of_the_store_is_read(self):
         store = SharedCacheStore(self.store, persistent=True)
@@ -113,16 +115,25 @@ class TestDigestsAcrossRuns(unittest.TestCase):
         temporary.keep("digests", {"a": 1})
         self.assertIsNone(temporary.kept("digests"))
 
-    def test_learn_takes_only_well_formed_entries(self):
+    def test_a_record_counts_only_well_formed_and_for_the_same_stat_data(self):
         path = os.path.join(self.tmp, "other.npy")
         _save(path, 5, 3600)
-        seen: set[str] = set()
-        stamped = stamp_files({"image": path}, seen)
-        self.assertEqual(seen, {path})
-        entry = known_digests(seen)[path]
-        learn_digests({"/x": entry[:-1] + ["zz"], "/y": [True, 2, 3, 4, 5, entry[-1]], 3: entry, "/z": {"a": 1}})
-        self.assertEqual(set(known_digests(["/x", "/y", "/z"])), set())
-        self.assertEqual(stamp_files({"image": path}), stamped)
+        st = os.stat(path)
+        digest, record = file_digest(path, st)  # read: a record to keep
+        self.assertEqual(record, [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest.hex()])
+        self.assertEqual(file_digest(path, st), (digest, None))  # this process knows it: nothing to keep
+        for i, bad in enumerate([None, "x", {"a": 1}, record[:-1] + ["zz"], [True, *record[1:]], record[2:]]):
+            copy = os.path.join(self.tmp, f"copy{i}.npy")
+            shutil.copy2(path, copy)  # the same content under other stat data
+            found, to_keep = file_digest(copy, os.stat(copy), lambda bad=bad: bad)
+            self.assertEqual((found, to_keep is not None), (digest, True), bad)  # read, and a record to keep
+        copy = os.path.join(self.tmp, "trusted.npy")
+        shutil.copy2(path, copy)
+        cst, planted = os.stat(copy), bytes(32)
+        kept = [cst.st_dev, cst.st_ino, cst.st_size, cst.st_mtime_ns, cst.st_ctime_ns, planted.hex()]
+        self.assertEqual(file_digest(copy, cst, lambda: kept), (planted, None))  # the same stat data: not read
+        self.assertEqual(file_digest(copy, cst), (planted, None))  # and known to this process from now on
+        self.assertEqual(file_digest(path, st, lambda: kept), (digest, None))  # another file's stat data: not used
 
 
 if __name__ == "__main__":

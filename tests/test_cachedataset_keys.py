@@ -22,6 +22,7 @@ import tempfile
 import threading
 import unittest
 import warnings
+from unittest import mock
 
 import numpy as np
 import torch
@@ -262,21 +263,31 @@ class TestFileStamps(unittest.TestCase):
         self.addCleanup(os.chdir, cwd)
 
     def save(self, rel: str, value: float) -> str:
-        """Write an input, modified a minute ago: older than RACY_SECONDS, so its digest is memoized."""
         path = os.path.join(self.tmp, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         np.save(path, np.full(4, value))
-        past = os.stat(path).st_mtime_ns - 60 * 10**9
-        os.utime(path, ns=(past, past))
         return path
 
-    def test_stamp(self):
-        path = self.save("a/img.npy", 1.0)
-        stamp = stamp_files({"image": path, "label": 3, "name": "not a file", "more": [path]})
-        self.assertEqual(stamp["image"][:2], ("file", path))
-        self.assertEqual((stamp["label"], stamp["name"]), (3, "not a file"))
-        self.assertEqual(stamp["more"], [stamp["image"]])
-        self.assertEqual(stamp_files(os.path.dirname(path))[0], "directory")
+    def test_keys_read_no_file_until_an_item_is_needed(self):
+        """The constructor and set_data stat nothing; an item's files are stat'ed once, when it is first needed."""
+        paths = [self.save(f"img{i}.npy", float(i)) for i in range(3)]
+        os.makedirs(os.path.join(self.tmp, "train", "sub"))  # a label that happens to name a directory: plain data
+        data = [{"img": p, "site": "train", "id": "no such file"} for p in paths]
+        os.chdir(self.tmp)
+        load = Load(os.path.join(self.tmp, "log"))
+        with mock.patch("os.stat", wraps=os.stat) as stats, mock.patch("os.scandir", side_effect=AssertionError):
+            ds = CacheDataset(data, Compose([Lambda(lambda d: d["img"]), load]), runtime_cache=[], progress=False)
+            ds.set_data(data)
+            stat_of = lambda: [c.args[0] for c in stats.call_args_list if c.args[0] in {*paths, "train"}]  # noqa
+            self.assertEqual(stat_of(), [])
+            self.assertEqual([float(ds[1][0]), float(ds[1][0])], [1.0, 1.0])
+            self.assertEqual(sorted(stat_of()), sorted([paths[1], "train"]))  # once: memoized
+            st = os.stat(paths[0])
+        stamp = ("file", paths[0], (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        self.assertEqual(stamp_files(data[0]), {**data[0], "img": stamp})  # the others are plain data
+        open(os.path.join(self.tmp, "train", "sub", "x"), "w").close()  # in the directory a label names: no new key
+        ds.set_data(data)
+        self.assertEqual(([float(ds[i][0]) for i in range(3)], load.calls), ([0.0, 1.0, 2.0], 3))
 
     @parameterized.expand([("list", []), ("thread", "thread")])
     def test_same_relative_name_in_two_directories(self, _, cache):
@@ -306,9 +317,9 @@ class TestFileStamps(unittest.TestCase):
         ds.set_data([path])
         self.assertEqual((float(ds[0][0]), load.calls), (5.0, 2))
         shutil.copyfile(path, path + ".copy")
-        os.replace(path + ".copy", path)  # copied afresh, the same content: the same key
+        os.replace(path + ".copy", path)  # copied afresh: other stat data (content digests are a persistent store's)
         ds.set_data([path])
-        self.assertEqual((float(ds[0][0]), load.calls), (5.0, 2))
+        self.assertEqual((float(ds[0][0]), load.calls), (5.0, 3))
 
     def test_own_hash_func_is_used_as_given(self):
         path = self.save("img.npy", 1.0)

@@ -25,9 +25,8 @@ so a file rewritten in place, or the same relative name in another directory, ke
   their sorted elements. Members whose state cannot change an item (``STATELESS_TYPES``) count by their type, and a
   ``multiprocessing`` shared value by its content, so processes still share. Any other member
   that pickle cannot store makes the fingerprint private to its process (``Fingerprint.private`` names it).
-- :py:func:`stamp_files` replaces, in a data entry, each string or path that names an existing file or directory by
-  its absolute path and a digest of its content, memoized by the file's stat data as git's index is. A file whose
-  stat data changed, or that was modified less than ``RACY_SECONDS`` before it was hashed, is hashed again.
+- :py:func:`stamp_files` replaces, in a data entry, each string or path that names an existing regular file by its
+  absolute path and stat data, as git's index keeps it: one ``stat`` per name, no byte read, no directory walked.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ import stat
 import sys
 import sysconfig
 import threading
-import time
 import types
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -52,7 +50,6 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "STATELESS_TYPES",
-    "RACY_SECONDS",
     "PROCESS_TOKEN",
     "Fingerprint",
     "transforms_fingerprint",
@@ -78,7 +75,6 @@ try:  # multiprocessing's locks, conditions, events and semaphores (absent where
 except ImportError:
     pass
 
-RACY_SECONDS = 2.0  # a file modified this shortly before it was hashed may change again unseen: hashed again later
 _PROCESS_SALT = uuid.uuid4().bytes  # makes a fingerprint with a private member private to this process (and forks)
 PROCESS_TOKEN = hashlib.sha256(_PROCESS_SALT + b"token").hexdigest()[:16]  # names this process (and forks) in notes
 _MAIN = ("__main__", "__mp_main__")  # a script, as run and as a spawned child re-imports it
@@ -86,8 +82,6 @@ _PLAIN = (str, bytes, int, float, bool, type(None), tuple, list, dict, complex)
 # class members that cannot change an item: what pickle, abc and the compiler (line numbers) add
 _CLASS_NOISE = {"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__slotnames__", "_abc_impl"}
 _CLASS_NOISE |= {"__firstlineno__", "__static_attributes__"}
-_digests: dict[str, tuple[tuple[int, ...], bytes]] = {}  # path -> (stat data, content digest), of this process
-_digests_lock = threading.Lock()
 
 
 class Fingerprint(NamedTuple):
@@ -346,70 +340,37 @@ def pipeline_difference(mine: Sequence[Any], theirs: Sequence[Any]) -> str:
     return "; ".join(found[:3]) + ("; ..." if len(found) > 3 else "") if found else "the libraries' versions"
 
 
-def _stat_data(st: os.stat_result) -> tuple[int, ...]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
-def _file_digest(path: str, st: os.stat_result) -> bytes:
-    """The sha256 of a regular file's content, memoized by its stat data unless modified just before it was read."""
-    data = _stat_data(st)
-    with _digests_lock:
-        known = _digests.get(path)
-    if known is not None and known[0] == data:
-        return known[1]
-    started = time.time_ns()
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-        after = os.fstat(f.fileno())  # the file that was read, whatever its name points to now
-    if _stat_data(after) != data:  # replaced or written while read: a digest of no version, never kept
-        return b"changed while read " + uuid.uuid4().bytes
-    if started - st.st_mtime_ns > RACY_SECONDS * 1e9:
-        with _digests_lock:
-            _digests[path] = (data, digest.digest())
-    return digest.digest()
-
-
-def _stamp(path: str) -> tuple | None:
+def _stamp(name: str) -> tuple | None:
     try:
-        st = os.stat(path)
+        st = os.stat(name)
     except (OSError, ValueError):  # no such file, a name too long, a NUL: not a file name
         return None
-    path = os.path.abspath(path)
-    try:
-        if stat.S_ISREG(st.st_mode):
-            return ("file", path, _file_digest(path, st))
-        if stat.S_ISDIR(st.st_mode):  # a series directory (DICOM): its files by content, its directories by name
-            entries = []
-            with os.scandir(path) as it:
-                for e in sorted(it, key=lambda e: e.name):
-                    is_file = e.is_file()
-                    entries.append((e.name, _file_digest(e.path, e.stat()) if is_file else e.is_dir()))
-            return ("directory", path, entries)
-    except OSError as err:  # unreadable: a stamp of no content, never the same twice
-        return ("unreadable", path, f"{type(err).__name__}", uuid.uuid4().bytes)
-    return ("other", path, _stat_data(st))
+    if stat.S_ISREG(st.st_mode):  # not a directory (a label may name one), never walked: plain data
+        return ("file", os.path.abspath(name), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return None
 
 
-def stamp_files(entry: Any) -> Any:
+def stamp_files(entry: Any, memo: dict | None = None) -> Any:
     """
-    ``entry`` (a data entry: nested dicts, lists and tuples) with each string or path-like that names an existing
-    file or directory replaced by ``(kind, absolute path, digest of content)``, and everything else as it is.
-    A directory counts by the names of its entries and the content of its files.
+    ``entry`` (nested dicts, lists and tuples) with each string or path-like that names an existing regular file
+    replaced by ``("file", absolute path, stat data)`` (device, inode, size, modification and change times, as git's
+    index keeps them), and everything else as it is: a directory is plain data, never walked, and no byte is read.
 
     Args:
         entry: a data entry, for example ``{"image": "img.nii.gz", "label": "seg.nii.gz", "id": 3}``.
+        memo: the stamp of each name already stamped, kept between calls (a name is stat'ed once while it is kept).
 
     Returns:
         the stamped entry, for a content key such as ``pickle_hashing(stamp_files(entry))``.
     """
+    memo = {} if memo is None else memo
     if isinstance(entry, (str, os.PathLike)):
         name = os.fspath(entry)
-        stamp = _stamp(name) if isinstance(name, str) else None
-        return entry if stamp is None else stamp
+        if isinstance(name, str) and name not in memo:  # a bytes path is data
+            memo[name] = _stamp(name)
+        return memo.get(name) or entry
     if isinstance(entry, Mapping):
-        return {k: stamp_files(v) for k, v in entry.items()}
+        return {k: stamp_files(v, memo) for k, v in entry.items()}
     if isinstance(entry, (list, tuple)):
-        return type(entry)(stamp_files(v) for v in entry) if type(entry) in (list, tuple) else entry
+        return type(entry)(stamp_files(v, memo) for v in entry) if type(entry) in (list, tuple) else entry
     return entry
