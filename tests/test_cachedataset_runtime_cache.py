@@ -55,6 +55,10 @@ def computed(log: str) -> list[int]:
         return sorted(int(x) for x in f.read().split())
 
 
+def _name_key(d: dict) -> bytes:
+    return d["name"].encode()
+
+
 class TestRuntimeCache(unittest.TestCase):
     def setUp(self) -> None:
         self.manager = Manager()
@@ -134,6 +138,37 @@ class TestRuntimeCache(unittest.TestCase):
                 self.check(ds[i], DATA[i])
                 self.assertEqual(scaled[i]["img"][0, 0].item(), 10.0 * DATA[i] + 1)
             self.check(other[1], 41)
+
+    def test_hash_transform(self):
+        """Datasets share items where their ``hash_transform`` agree, and only there, whatever their transforms."""
+        cache: list = []
+        scaled = Compose([Load(), Lambda(lambda d: {**d, "img": d["img"] * 10}), AddOne()])
+        ds = CacheDataset(DATA, Compose([Load(), AddOne()]), runtime_cache=cache, hash_transform=lambda t: b"v1")
+        same = CacheDataset(DATA, scaled, runtime_cache=cache, hash_transform=lambda t: b"v1")
+        other = CacheDataset(DATA, scaled, runtime_cache=cache, hash_transform=lambda t: b"v2")
+        self.check(ds[1], 1)
+        self.check(same[1], 1)  # the item of `ds`: equal hashes say that the cached transforms are the same
+        self.assertEqual(other[1]["img"][0, 0].item(), 11.0)
+
+    @parameterized.expand([(m,) for m in MODES])
+    def test_refresh(self, mode):
+        """Inputs changed under the same key (here in place) keep their items until ``refresh`` drops them."""
+        data = [{"name": str(i), "id": i} for i in DATA]
+        ds = CacheDataset(
+            data, Compose([Load(self.log), AddOne()]), runtime_cache=self.container(mode), hash_func=_name_key
+        )
+        for d in data:
+            self.check(ds[d["id"]], d["id"])
+            d["id"] += 100
+        if mode in ("list", "listproxy"):  # the same container: set_data keeps the items of unchanged keys
+            ds.set_data(data)
+        for i in DATA:
+            self.check(ds[i], i)
+        ds.refresh()
+        for _ in range(2):  # computed again, then cached again
+            for i in DATA:
+                self.check(ds[i], i + 100)
+        self.assertEqual(computed(self.log), DATA + [i + 100 for i in DATA])
 
     @parameterized.expand(
         [("proc", ValueError), ("", ValueError), (1.5, TypeError), ({}, TypeError), ((1,), TypeError)]

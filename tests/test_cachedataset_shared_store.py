@@ -95,6 +95,18 @@ class TestProcessMode(unittest.TestCase):
         self.assertFalse(os.path.exists(path))  # removed with its last user
         self.assertEqual(os.listdir(self.root), [])
 
+    @needs_store
+    def test_refresh_drops_the_items_of_the_dataset_only(self):
+        store = SharedCacheStore(root=self.root)
+        self.addCleanup(store.close)
+        store.put("other", 1)  # an item of another dataset
+        ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        self.check_epochs(ds)
+        ds.refresh()
+        self.check_epochs(ds)
+        self.assertEqual(_computed(self.log), sorted(list(range(4)) * 2))  # once before the refresh, once after
+        self.assertEqual(store.get("other"), 1)
+
     @unittest.skipIf(FORK is None, "the file system is faked in this process and its forked workers")
     @needs_store
     def test_docker_default_shm(self):

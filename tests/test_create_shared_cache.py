@@ -181,6 +181,24 @@ class TestCreateSharedCache(DistTestCase):
     @skip_if_quick
     @needs_store
     @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
+    def test_one_rank_refreshes_for_the_node(self) -> None:
+        """Rank 0 refreshes between barriers, as the guide says: both ranks then read items computed once more."""
+        rank, store = dist.get_rank(), create_shared_cache(root=self.root, timeout=TIMEOUT)
+        ds = self.dataset(store)
+        for epoch in range(3):
+            dist.barrier()  # every rank has finished the epoch
+            if epoch == 2 and rank == 0:
+                ds.refresh()
+            dist.barrier()  # no rank reads before the items are dropped
+            for i in range(N):
+                self.assertTrue(torch.equal(ds[i]["img"], torch.full((2, 3), i + 1.0)), (epoch, i))
+        dist.barrier()
+        self.assertEqual(computed(self.log), Counter(dict.fromkeys(range(N), 2)))
+        store.close()
+
+    @skip_if_quick
+    @needs_store
+    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
     def test_a_rank_that_never_calls_makes_the_other_time_out(self) -> None:
         done = os.path.join(self.tmp, "rank0-done")
         if dist.get_rank() == 1:  # never calls create_shared_cache: waits, without a collective, for rank 0 to fail

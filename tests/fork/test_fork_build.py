@@ -224,12 +224,12 @@ class TestPRSeries(unittest.TestCase):
         self.assertEqual(names, [f"{st.name}{ext}" for st in self.stages for ext in (".patch", ".md")])
         self.assertEqual([st.name[:3] for st in self.stages], [f"{n:02d}-" for n in range(1, len(self.stages) + 1)])
         first = (Path(self.tmp) / "pr" / f"{self.stages[0].name}.patch").read_text()
-        # PR 01 is the fix alone: no store, no helper, within its cap (export_series raises past it)
+        # PR 01 is the fix (with refresh) alone: no store, no helper, within its cap (export_series raises past it)
         self.assertNotIn("cache_store", first)
         self.assertNotIn("create_shared_cache", first)
         self.assertIn("b/tests/data/test_cachedataset_runtime_cache.py", first)
-        self.assertEqual(self.stages[0].max_lines, 400)
-        self.assertLessEqual(self.summary[self.stages[0].name]["code"] + self.summary[self.stages[0].name]["docs"], 400)
+        self.assertEqual(self.stages[0].max_lines, 500)  # issue 44's cap: 500 changed lines of code and tests
+        self.assertLessEqual(self.summary[self.stages[0].name]["code"], 500)
         store = (Path(self.tmp) / "pr" / f"{self.stages[1].name}.patch").read_text()
         for token in ("ctypes", "syscall", "ioctl", "userfaultfd"):  # the portable store
             self.assertNotIn(token, "".join(ln for ln in store.splitlines(True) if ln.startswith("+")), token)
