@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import json
 import os
 import shlex
 import shutil
@@ -44,18 +45,46 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench_common import DEFAULT_OUT, FORK_TREE, PATHS
+from bench_epochs import job_epoch
+from bench_hits import job_micro_fork, job_micro_upstream
 from bench_machine import hugepage_settings, machine
-from bench_plot import plot
-from bench_report import write
-from bench_run import log, prepare_trees, run_job_main, run_subprocess, tree_version
+from bench_persistent import job_persist
+from bench_report import plot, write
+from bench_run import log, prepare_trees, run_subprocess, tree_version
+from bench_small import job_small
 from bench_summary import summarize
 
 SECTIONS = ("hits", "epochs", "small", "ddp", "persistent")
-_prepare_trees = prepare_trees  # the name bench_ddp.py imports from here
+# what ``bench_cache.py --job JOB CFG RESULT`` runs, in a subprocess started by ``bench_run.run_subprocess``
+JOBS: dict[str, Callable[[dict], dict[str, Any]]] = {
+    "micro_fork": job_micro_fork,
+    "micro_upstream": job_micro_upstream,
+    "epoch": job_epoch,
+    "small": job_small,
+    "persist": job_persist,
+}
+
+
+def run_job_main(job: str, cfg_path: str, result_path: str) -> int:
+    """Run one job on the config in ``cfg_path``; write its result, or its traceback, and its warnings as JSON."""
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        try:
+            result = JOBS[job](cfg)
+        except Exception:
+            result = {"error": traceback.format_exc()}
+    result["job_warnings"] = sorted({f"{w.category.__name__}: {w.message}"[:400] for w in caught})
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
 
 
 def _config(args: argparse.Namespace, sections: list[str]) -> dict[str, Any]:
@@ -116,16 +145,6 @@ def _module_section(
     return result, lines
 
 
-def _ddp(args: argparse.Namespace, out_dir: Path, trees: dict[str, Path] | None) -> tuple[Any, list[str]]:
-    """The ddp section, by ``benchmarks/bench_ddp.py`` if it exists: (its result, its report lines)."""
-    return _module_section("ddp", "bench_ddp", args, out_dir, trees)
-
-
-def _persistent(args: argparse.Namespace, out_dir: Path, trees: dict[str, Path] | None) -> tuple[Any, list[str]]:
-    """The persistent section, by ``benchmarks/bench_persistent.py``: (its result, its report lines)."""
-    return _module_section("persistent", "bench_persistent", args, out_dir, trees)
-
-
 def _fork_version(raw: dict[str, Any]) -> str:
     """``monai.__version__`` of the fork's tree: as a fork job imported it, else read from the tree."""
     for key in ("micro_fork", "micro_portable", "epoch_store", "small", "persistent"):
@@ -173,13 +192,15 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any], out_dir: Path) -> tuple[
         raw["small"] = run_subprocess("small", FORK_TREE, cfg, out_dir, args.timeout)
     if "ddp" in cfg["sections"]:
         # without the upstream tree (--skip-upstream, or no hits/epochs), bench_ddp.py prepares the trees itself
-        result, lines = _ddp(args, out_dir, {"fork": FORK_TREE, "upstream": upstream} if upstream else None)
+        trees = {"fork": FORK_TREE, "upstream": upstream} if upstream else None
+        result, lines = _module_section("ddp", "bench_ddp", args, out_dir, trees)
         if result is not None:
             raw["ddp"] = result
         extra["DDP (bench_ddp.py)"] = lines
     if "persistent" in cfg["sections"]:
         # the fork's tree only; refreshed by the section itself unless an earlier section did
-        result, lines = _persistent(args, out_dir, {"fork": FORK_TREE} if refreshed else None)
+        trees = {"fork": FORK_TREE} if refreshed else None
+        result, lines = _module_section("persistent", "bench_persistent", args, out_dir, trees)
         if result is not None:
             raw["persistent"] = result
         extra["Persistent store (bench_persistent.py)"] = lines  # bench_persistent.TITLE

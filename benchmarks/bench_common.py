@@ -10,8 +10,8 @@
 # limitations under the License.
 """
 What every job of the benchmark shares: the compared paths, the targets, the synthetic input files, the transform
-chain, one cache hit (read + crop + collate-like copy) and small helpers. The jobs import torch and monai lazily: the
-driver needs neither.
+chain, one cache hit (read + crop + collate-like copy) and small helpers, among them the reports' tables. The jobs
+import torch and monai lazily: the driver needs neither.
 """
 
 from __future__ import annotations
@@ -131,6 +131,28 @@ TARGETS = {
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
+
+
+def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    if value is None or value != value:
+        return "n/a"
+    return f"{value:{spec}}{suffix}"
+
+
+def plain_table(head: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    return "\n".join([line(head), "  ".join("-" * w for w in widths), *map(line, rows)])
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 def data_files(data_dir: str, shape: Sequence[int]) -> tuple[str, str]:

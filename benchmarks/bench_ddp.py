@@ -61,11 +61,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-RANK_SCRIPT = HERE / "bench_ddp_rank.py"
-DEFAULT_OUT = REPO / "benchmarks" / "output"
-MIB = 1024 * 1024
+import procmem
+from bench_common import DEFAULT_OUT, FORK_TREE, MIB, plain_table
+from bench_run import prepare_trees
+
+RANK_SCRIPT = Path(__file__).resolve().with_name("bench_ddp_rank.py")
 
 VARIANTS: dict[str, dict[str, str]] = {
     "upstream_eager": {"label": "1. upstream eager per rank + DistributedSampler", "tree": "upstream"},
@@ -165,10 +165,6 @@ def _launch(cfg_path: str) -> int:
 
 def _run_variant(name: str, tree: Path, base: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Run one variant in fresh processes: times, computations and the peak footprint of the launcher's tree."""
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    import procmem
-
     work = out_dir / "ddp" / name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -222,9 +218,6 @@ def _run_variant(name: str, tree: Path, base: dict[str, Any], out_dir: Path) -> 
 
 def _prepare_trees(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
     """The fork's tree (``layout --if-stale``) and the pristine upstream tree, prepared as ``bench_cache.py`` does."""
-    from bench_common import FORK_TREE
-    from bench_run import prepare_trees
-
     ns = argparse.Namespace(no_refresh=bool(getattr(args, "no_refresh", False)), skip_upstream=False)
     upstream = prepare_trees(ns, out_dir)  # skip_upstream=False: always a tree
     assert upstream is not None
@@ -274,15 +267,6 @@ def run_section(args: argparse.Namespace, out_dir: Path | str, trees: Mapping[st
     return result
 
 
-def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-
-    def line(row: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-
-    return [line(head), "  ".join("-" * w for w in widths), *map(line, rows)]
-
-
 def report_lines(result: dict[str, Any]) -> list[str]:
     """The plain-text report of :func:`run_section`: the setup, a table of the variants, the targets."""
     if "variants" not in result:
@@ -311,7 +295,7 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         rows.append(
             row + [f"{fp / MIB:.0f}", f"{v['peak']['shm_bytes'] / MIB:.0f}", f"{fp / eager:.2f}" if eager else ""]
         )
-    lines += ["", *_table(head, rows), "", "TARGETS (ratios measured in this run):"]
+    lines += ["", *plain_table(head, rows).splitlines(), "", "TARGETS (ratios measured in this run):"]
     lines += [f"  {c['line']}" for c in result["checks"]]
     for name, v in variants.items():
         if v.get("store_removed") is False:

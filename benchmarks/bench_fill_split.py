@@ -23,6 +23,7 @@ Prints both tables and writes ``benchmarks/output/fill_split.json``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import os
@@ -129,6 +130,7 @@ def _default_threads(ctx, report: dict) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options: --help only
     import monai
     from monai.data import SharedCacheStore
 

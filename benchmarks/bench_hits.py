@@ -10,21 +10,23 @@
 # limitations under the License.
 """
 The hits section's jobs: per-hit and fill timings of each path, the first read of an item, the breakdown of a hit,
-and the kernel's floor of a first read (``bench_kernel``). ``micro_fork`` runs paths 1, 2, 5 (and 6) in the fork's
+and the kernel's floor of a first read. ``micro_fork`` runs paths 1, 2, 5 (and 6) in the fork's
 tree, and, as its ``portable`` variant in a process with ``MONAI_CACHE_FAST_PATH=0``, paths 1, 2 and 5b (the store
 without its Linux fast path); ``micro_upstream`` runs paths 3 and 4 in the upstream tree.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import mmap
 import os
+import struct
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-import bench_kernel
 from bench_common import (
     FAST_PATH_ENV,
     PATHS,
@@ -49,8 +51,8 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
     The fork tree's paths, timed in one process: fill, raw write vs plain write, and hits interleaved path by path (so
     that their ratios see the same load), the first read of an item, the breakdown of a hit.
 
-    ``cfg["variant"]`` ``"full"`` (the default): paths 1, 2, 5 (the store with its Linux fast path), the floor with
-    its item in 4 KiB pages and, with ``--store-root``, 6; and the kernel's floor of a first read. ``"portable"``:
+    ``cfg["variant"]`` ``"full"`` (the default): paths 1, 2, 5 (the store with its Linux fast path) and, with
+    ``--store-root``, 6; and the kernel's floor of a first read. ``"portable"``:
     paths 1, 2 and 5b, the store without its fast path; the driver runs this job with ``MONAI_CACHE_FAST_PATH=0``
     (read at the import of monai, so it cannot be switched inside one process), and it fails if the fast path is on.
     """
@@ -117,14 +119,9 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
     plains["private"] = plains[store_name]
     del arrays
 
-    # hits, interleaved: private no-copy, private copy (same list, copy_cache toggled), store(s), and the floor again
-    # with its item in 4 KiB pages: numpy asks for transparent huge pages for its large arrays (the floor's item is in
-    # 2 MiB pages), which /dev/shm cannot give without huge= or shmem_enabled; this shows what the page size costs
+    # hits, interleaved: private no-copy, private copy (same list, copy_cache toggled), store(s)
     counter = DeepcopyCounter()
-    eager_4k = None if portable else _private_in_small_pages(data[:1], tr)
     datasets = {"private_nocopy": (eager, False), "private_copy": (eager, True)}
-    if eager_4k is not None:
-        datasets["private_nocopy_4k"] = (eager_4k, False)
     datasets.update({name: (ds, True) for name, ds in stores.items()})
     hits: dict[str, list[float]] = {p: [] for p in datasets}
     faults: dict[str, int] = dict.fromkeys(datasets, 0)
@@ -216,31 +213,6 @@ def _slots_store(ds: Any) -> Any:
     return cast(Any, ds._runtime).store
 
 
-def _anon_huge_kib() -> int:
-    with open("/proc/self/smaps_rollup") as f:
-        return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")), 0)
-
-
-def _private_in_small_pages(data: list, tr: Any) -> Any:
-    """A private eager dataset whose item numpy allocates without asking for huge pages; None if that cannot be done."""
-    import numpy as np
-
-    from monai.data import CacheDataset
-
-    core = getattr(np, "_core", None) or np.core  # type: ignore[attr-defined]  # numpy 2, else 1
-    multiarray = core.multiarray
-    set_hugepage = getattr(multiarray, "_set_madvise_hugepage", None)
-    if set_hugepage is None:
-        return None
-    before = _anon_huge_kib()
-    previous = set_hugepage(False)
-    try:
-        ds = CacheDataset(data, tr, copy_cache=False, progress=False, num_workers=1)
-    finally:
-        set_hugepage(previous)
-    return ds if _anon_huge_kib() <= before else None
-
-
 def _item_file(store_ds: Any) -> str:
     """The file of the first item of a dataset's store (by the store's ``_file``, else its largest item file)."""
     store = _slots_store(store_ds)
@@ -257,16 +229,159 @@ def _item_file(store_ds: Any) -> str:
 
 
 def _kernel_floor(cfg: dict, eager: Any, store_ds: Any) -> dict[str, Any]:
-    """``bench_kernel.measure`` on the item file of ``store_ds``, interleaved with the floor's hit (never raises)."""
+    """
+    The kernel's floor of a first read, on the item file of ``store_ds``, interleaved with the floor's hit (medians;
+    never raises): what mapping the file costs the kernel alone, with no Python object made. ``touch``: open + a fresh
+    ``MAP_PRIVATE`` mapping of the whole file + one byte read in each page of the crop region of each array (exactly
+    the pages a crop of ``roi`` reads; a random crop position at each repetition) + munmap. The arrays are located in
+    the file by its buffer table (``monai/data/_cache_format.py``: a fixed prefix, the key, then ``(offset, length)``
+    per out-of-band buffer), each array being the buffer of its byte size.
+    """
     try:
         path = _item_file(store_ds)
         eager.copy_cache = False
         arrays = [((4, *cfg["shape"]), 4), ((1, *cfg["shape"]), 1)]  # the image (float32) and the label (uint8)
-        res = bench_kernel.measure(path, arrays, cfg["roi"], cfg["first_reps"], lambda: hit(eager))
+        res = kernel_measure(path, arrays, cfg["roi"], cfg["first_reps"], lambda: hit(eager))
         res["store_dir"] = os.path.dirname(_slots_store(store_ds).path)
         return res
     except Exception as err:
         return {"error": f"{type(err).__name__}: {err}"}
+
+
+_PREFIX = struct.Struct("<8sHHIQIIQ")  # magic, version, flags, header_len, total_len, key_len, n_buffers, pickle_len
+_ENTRY = struct.Struct("<QQ")  # offset, length of an out-of-band buffer
+_MAGIC = b"\x89MONAI\r\n"
+
+
+def buffer_table(path: str) -> list[tuple[int, int]]:
+    """The ``(offset, length)`` of the out-of-band buffers of an item file."""
+    with open(path, "rb") as f:
+        head = f.read(_PREFIX.size)
+        magic, _, _, header_len, _, key_len, n_buffers, _ = _PREFIX.unpack(head)
+        if magic != _MAGIC:
+            raise ValueError(f"{path}: not an item file")
+        f.seek(_PREFIX.size + key_len)
+        table = f.read(_ENTRY.size * n_buffers)
+    return [_ENTRY.unpack_from(table, i * _ENTRY.size) for i in range(n_buffers)]
+
+
+def locate_arrays(path: str, arrays: Sequence[tuple[Sequence[int], int]]) -> list[int]:
+    """The file offset of each array ``(shape, itemsize)``: the first unused buffer of its byte size."""
+    table = buffer_table(path)
+    used: set[int] = set()
+    offsets = []
+    for shape, itemsize in arrays:
+        nbytes = itemsize
+        for s in shape:
+            nbytes *= int(s)
+        found = next((i for i, (_, length) in enumerate(table) if length == nbytes and i not in used), None)
+        if found is None:
+            raise ValueError(f"{path}: no buffer of {nbytes} bytes")
+        used.add(found)
+        offsets.append(table[found][0])
+    return offsets
+
+
+def crop_pages(
+    offset: int, shape: Sequence[int], itemsize: int, start: Sequence[int], roi: Sequence[int], page: int
+) -> Any:
+    """The page numbers (of the file) that a crop of ``roi`` at ``start`` (spatial) of a C-order array reads."""
+    import numpy as np
+
+    c, x, y, z = (int(s) for s in shape)
+    x0, y0, z0 = (int(s) for s in start)
+    rx, ry, rz = (int(s) for s in roi)
+    cc, xx, yy = np.meshgrid(np.arange(c), np.arange(x0, x0 + rx), np.arange(y0, y0 + ry), indexing="ij")
+    first = offset + itemsize * (((cc * x + xx) * y + yy) * z + z0)
+    last = first + rz * itemsize - 1
+    first, last = (first // page).ravel(), (last // page).ravel()
+    span = int((last - first).max()) if first.size else 0
+    pages = [first + k for k in range(span + 1)]
+    return np.unique(np.concatenate([p[p <= last] for p in pages]))
+
+
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _map(libc: Any, path: str) -> tuple[int, int]:
+    """A fresh private read-only mapping of the whole file ``path``: (address, size); the descriptor is closed."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_PRIVATE, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    return addr, size
+
+
+def kernel_measure(
+    path: str,
+    arrays: Sequence[tuple[Sequence[int], int]],
+    roi: Sequence[int],
+    reps: int,
+    floor_hit: Callable[[], None],
+    seed: int = 0,
+) -> dict[str, Any]:
+    """
+    Time ``touch`` (see :func:`_kernel_floor`) on the item file ``path`` of the ``arrays`` (``(shape, itemsize)`` with
+    shape ``(C, X, Y, Z)``), ``reps`` times, each interleaved with one ``floor_hit()``.
+    """
+    import numpy as np
+
+    res: dict[str, Any] = {"path": path, "floor_s": [], "touch_s": [], "touch_minflt": []}
+    try:
+        libc = _libc()
+        offsets = locate_arrays(path, arrays)
+        res["file_bytes"] = os.path.getsize(path)
+    except (OSError, AttributeError, ValueError, struct.error) as err:
+        return {"path": path, "error": f"{type(err).__name__}: {err}"}
+    page = mmap.PAGESIZE
+    rng = np.random.default_rng(seed)
+    n_pages = []
+    for _ in range(reps):
+        start = [int(rng.integers(0, int(s) - int(r) + 1)) for s, r in zip(arrays[0][0][1:], roi)]
+        pages = np.concatenate(
+            [crop_pages(off, shape, size, start, roi, page) for off, (shape, size) in zip(offsets, arrays)]
+        )
+        n_pages.append(int(pages.size))
+        touch_at = pages * page
+        t0 = time.perf_counter()
+        floor_hit()
+        res["floor_s"].append(time.perf_counter() - t0)
+        try:
+            f0 = minflt()
+            t0 = time.perf_counter()
+            addr, size = _map(libc, path)
+            view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr))
+            int(view[touch_at].sum())  # one byte per page: each page of the crop is faulted in
+            del view
+            libc.munmap(addr, size)
+            res["touch_s"].append(time.perf_counter() - t0)
+            res["touch_minflt"].append(minflt() - f0)
+        except OSError as err:
+            res["touch_error"] = str(err)
+    res["crop_pages"] = median(n_pages)
+    return res
+
+
+def kernel_summary(res: dict[str, Any]) -> dict[str, Any]:
+    """Medians and the ratio to the floor (``None`` where not available) of one :func:`kernel_measure` result."""
+    floor, touch, faults = median(res.get("floor_s", [])), res.get("touch_s") or [], res.get("touch_minflt") or []
+    out: dict[str, Any] = {"error": res.get("error"), "floor_s": floor, "crop_pages": res.get("crop_pages")}
+    out["touch_s"] = median(touch) if touch else None
+    out["touch_x_floor"] = out["touch_s"] / floor if touch and floor == floor and floor > 0 else None
+    out["touch_error"] = res.get("touch_error")
+    out["touch_minflt"] = median(faults) if faults else None
+    return out
 
 
 def _breakdown(eager: Any, store_ds: Any, store_name: str, tr: Any, first_random: int, reps: int) -> dict[str, Any]:

@@ -72,11 +72,14 @@ from bench_common import (
     hit,
     inputs,
     job_setup,
+    md_table,
     median,
     minflt,
+    plain_table,
     transforms,
 )
-from bench_tables import md_table, plain_table
+from bench_machine import mount_of
+from bench_run import prepare_trees, run_subprocess
 
 TITLE = "Persistent store (bench_persistent.py)"
 CONTENDERS: dict[str, dict[str, str]] = {
@@ -373,8 +376,6 @@ def _clean(cfg: dict[str, Any]) -> None:
 
 def _prepare_tree(args: argparse.Namespace, out_dir: Path) -> Path:
     """The fork's tree, refreshed as ``bench_cache.py`` does (``layout --if-stale``, unless ``--no-refresh``)."""
-    from bench_run import prepare_trees
-
     ns = argparse.Namespace(no_refresh=bool(getattr(args, "no_refresh", False)), skip_upstream=True)
     prepare_trees(ns, out_dir)
     return FORK_TREE
@@ -382,8 +383,6 @@ def _prepare_tree(args: argparse.Namespace, out_dir: Path) -> Path:
 
 def run_section(args: argparse.Namespace, out_dir: Path | str, trees: Mapping[str, Path] | None = None) -> dict:
     """Run every phase of every contender; ``trees["fork"]``: the fork's tree (refreshed here if ``trees`` is None)."""
-    from bench_run import run_subprocess
-
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -539,7 +538,7 @@ def _s(value: Any, spec: str = ".2f") -> str:
 
 
 def table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """The contenders' table: head and rows (plain text by ``bench_tables.plain_table``, markdown by ``md_table``)."""
+    """The contenders' table: head and rows (plain text by ``bench_common.plain_table``, markdown by ``md_table``)."""
     head = ["contender", "fill s", "computed", "1st batch s", "restart 1st batch ms", "x 1st run", "restart computed"]
     head += ["warm epoch s", "read ms", "x floor", "disk store speed-up", "size MiB"]
     rows = []
@@ -670,8 +669,6 @@ def _setup_line(result: dict[str, Any]) -> str:
 
 
 def _fs(path: str) -> str:
-    from bench_machine import mount_of
-
     m = mount_of(path)
     return f"{m.get('fstype', '?')} on {m.get('mount_point', '?')}"
 

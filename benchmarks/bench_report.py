@@ -9,9 +9,15 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The report: the printed text and ``results.md`` / ``results.json`` (the rows that the PR descriptions read, tables,
-the runs' spread, the kernel's floor of a first read, the many-items test, the breakdown of a hit, the huge-page
-settings, other sections' lines, the targets).
+The report: the printed text, ``results.md`` / ``results.json`` (the rows that the PR descriptions read, the two
+tables, the runs' spread, the kernel's floor of a first read, the many-items test, the breakdown of a hit, the
+huge-page settings, other sections' lines, the targets) and ``bench_cache.png``.
+
+The two tables: per hit and fill, and DataLoader epochs and memory. Path 5b (the portable store) is in the first table
+only; its "x floor" is to the floor timed in its own job. The figure: the store's hit and first-read ratios to the
+floor in each run of the hits section, with its fast path and without it (portable), with the 1.5x targets and the
+kernel's floor of a first read; the per-hit time of each path; and the memory of the DataLoader epochs, when
+measured. Every axis starts at zero.
 """
 
 from __future__ import annotations
@@ -22,10 +28,110 @@ from typing import Any
 
 import bench_persistent
 import bench_rows
-from bench_common import ALL_PATHS, MIB, expected_nbytes
+from bench_common import ALL_PATHS, HIT_PATHS, MIB, PATHS, TARGETS, expected_nbytes, fmt, md_table, plain_table
 from bench_machine import hugepage_lines
 from bench_summary import fork_runs
-from bench_tables import fmt, md_table, plain_table, tables
+
+_COLORS = {
+    n: "tab:green" if n.startswith("store") else "tab:gray" if n.startswith("private") else "tab:red" for n in ALL_PATHS
+}
+
+
+def ms(seconds: float) -> str:
+    if seconds != seconds:  # nan
+        return "n/a"
+    ms = seconds * 1e3
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
+
+
+def tables(summary: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
+    paths = summary["paths"]
+    head1 = [
+        "path",
+        "hit ms",
+        "x floor",
+        "1st read ms",
+        "1st x floor",
+        "store speed-up",
+        "deepcopy/hit",
+        "faults/hit",
+        "compute ms",
+        "fill ms",
+        "write ms",
+        "plain ms",
+        "fill ratio",
+    ]
+    head2 = ["path", "cold epoch s", "warm epoch s", "x floor", "procs", "PSS MiB", "shm MiB", "footprint MiB"]
+    head2 += ["net MiB", "x copy", "peak x copy", "samples"]
+    rows1, rows2 = [], []
+    b = summary.get("baseline")
+    if b:
+        rows2.append(
+            [
+                "0. baseline: no cache, one pre-made crop",
+                fmt(b["cold_epoch_s"]),
+                fmt(b["warm_epoch_s"], ".3f"),
+                "",
+                str(b["n_processes"]),
+                fmt(b["pss_bytes"] / MIB, ".0f"),
+                fmt(b["shm_bytes"] / MIB, ".0f"),
+                fmt(b["footprint_bytes"] / MIB, ".0f"),
+                "(runtime)",
+                "",
+                "",
+                str(b["memory_samples"]),
+            ]
+        )
+    store_hit = paths.get("store", {}).get("hit_s")
+    for name, spec in ALL_PATHS.items():
+        p = paths.get(name)
+        if not p:
+            if name in PATHS or name in HIT_PATHS:
+                rows1.append([spec["label"], "skipped/error"] + [""] * (len(head1) - 2))
+            if name in PATHS:
+                rows2.append([spec["label"], "skipped/error"] + [""] * (len(head2) - 2))
+            continue
+        if "hit_s" in p:
+            speed = p["hit_s"] / store_hit if store_hit else None
+            rows1.append(
+                [
+                    spec["label"],
+                    ms(p["hit_s"]),
+                    fmt(p["hit_x_floor"]),
+                    ms(p["first_read_s"]) if "first_read_s" in p else "-",
+                    fmt(p["first_read_x_floor"]) if "first_read_s" in p else "-",
+                    fmt(speed, ".1f", "x") if name != "store" else "1x",
+                    fmt(p["deepcopies_per_hit"], ".0f"),
+                    fmt(p["minflt_per_hit"], ".0f"),
+                    ms(p["compute_s"]),
+                    ms(p["fill_s"]),
+                    ms(p["write_s"]),
+                    ms(p["plain_write_s"]),
+                    fmt(p["fill_ratio"]),
+                ]
+            )
+        else:
+            rows1.append([spec["label"], "skipped/error"] + [""] * (len(head1) - 2))
+        if "warm_epoch_s" in p:
+            rows2.append(
+                [
+                    spec["label"],
+                    fmt(p["cold_epoch_s"]),
+                    fmt(p["warm_epoch_s"], ".3f"),
+                    fmt(p.get("warm_x_floor")),
+                    str(p["n_processes"]),
+                    fmt(p["pss_bytes"] / MIB, ".0f"),
+                    fmt(p["shm_bytes"] / MIB, ".0f"),
+                    fmt(p["footprint_bytes"] / MIB, ".0f"),
+                    fmt(p.get("net_bytes", float("nan")) / MIB, ".0f"),
+                    fmt(p.get("net_x_copy"), ".3f"),
+                    fmt(p.get("net_peak_x_copy"), ".3f"),
+                    str(p["memory_samples"]),
+                ]
+            )
+        elif name in PATHS:
+            rows2.append([spec["label"], "skipped/error"] + [""] * (len(head2) - 2))
+    return head1, rows1, head2, rows2
 
 
 def small_lines(raw: dict[str, Any]) -> list[str]:
@@ -112,24 +218,14 @@ def kernel_lines(summary: dict[str, Any]) -> list[str]:
         if p.get("kernel_error"):
             lines.append(f"  {short}: n/a ({p['kernel_error']})")
             continue
-        touch, populate = p.get("kernel_touch_x_floor"), p.get("kernel_populate_x_floor")
-        pages = p.get("kernel_crop_pages")
-        faults = p.get("kernel_touch_minflt")
+        touch, pages, faults = (p.get(f"kernel_{k}") for k in ("touch_x_floor", "crop_pages", "touch_minflt"))
         touch_text = (
             f"{(p.get('kernel_touch_s') or 0) * 1e3:.2f} ms = {touch:.2f}x floor "
             f"({fmt(pages, ',.0f')} pages of the crop, {fmt(faults, '.0f')} faults)"
             if touch is not None
             else f"n/a ({p.get('kernel_touch_error')})"
         )
-        populate_text = (
-            f"{(p.get('kernel_populate_s') or 0) * 1e3:.2f} ms = {populate:.2f}x floor"
-            if populate is not None
-            else f"n/a ({p.get('kernel_populate_error')})"
-        )
         lines.append(f"  {short}: open + mmap + touch the crop's pages + munmap: {touch_text}")
-        lines.append(
-            f"  {' ' * len(short)}  open + mmap + MADV_POPULATE_READ of the whole item + munmap: {populate_text}"
-        )
         if touch is not None and "first_read_x_floor" in p:
             lines.append(
                 f"  {' ' * len(short)}  first read {p['first_read_x_floor']:.2f}x floor; floor + touch = "
@@ -329,3 +425,101 @@ def write(
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
     return "\n".join(text)
+
+
+def _runs_panel(ax: Any, summary: dict[str, Any]) -> None:
+    series = summary["runs"]["series"]
+    styles = {
+        "store hit": ("tab:green", "o", "-"),
+        "store first read": ("tab:blue", "s", "-"),
+        "store-root hit": ("tab:olive", "o", "--"),
+        "store-root first read": ("tab:cyan", "s", "--"),
+        "store portable hit": ("tab:orange", "o", "-."),
+        "store portable first read": ("tab:brown", "s", "-."),
+    }
+    top = 0.0
+    for label, (color, marker, line) in styles.items():
+        s = series.get(label)
+        if not s:
+            continue
+        x = list(range(1, len(s["values"]) + 1))
+        ax.plot(x, s["values"], color=color, marker=marker, linestyle=line, label=f"{label} (median {s['median']:.2f})")
+        top = max(top, *s["values"])
+    kernel = series.get("store kernel touch")
+    if kernel:  # the least a first read through a fresh mapping can cost: the floor + the kernel's faults
+        x = list(range(1, len(kernel["values"]) + 1))
+        values = [1 + v for v in kernel["values"]]
+        ax.plot(x, values, color="tab:purple", marker="^", linestyle=":", label="floor + kernel (mmap, fault crop)")
+        top = max(top, *values)
+    hit_t, first_t = TARGETS["hit_vs_floor"], TARGETS["first_read_vs_floor"]
+    if hit_t == first_t:
+        ax.axhline(hit_t, color="tab:red", linestyle="--", linewidth=1, label=f"{hit_t:g}x targets (hit, first read)")
+    else:
+        ax.axhline(hit_t, color="tab:green", linestyle="--", linewidth=1, label=f"{hit_t:g}x hit target")
+        ax.axhline(first_t, color="tab:blue", linestyle="--", linewidth=1, label=f"{first_t:g}x first-read target")
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    n = summary["runs"]["n"]
+    ax.set_xlim(0.5, n + 0.5)
+    ax.set_xticks(range(1, n + 1))
+    ax.set_ylim(0, max(top, hit_t, first_t) * 1.15)
+    ax.set_xlabel("run of the hits section")
+    ax.set_ylabel("ratio to the floor (private no-copy hit)")
+    ax.set_title("store hit and first read, per run (portable: MONAI_CACHE_FAST_PATH=0)")
+    ax.legend(fontsize=7, loc="best")
+
+
+def _hits_panel(ax: Any, summary: dict[str, Any], names: list[str]) -> None:
+    hits = [summary["paths"][n]["hit_s"] * 1e3 for n in names]
+    ax.barh(range(len(names)), hits, color=[_COLORS[n] for n in names])
+    ax.set_yticks(range(len(names)), [ALL_PATHS[n]["short"] for n in names], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(hits) * 1.25)
+    ax.set_xlabel("ms per hit (read + crop + copy)")
+    ax.set_title("per-hit time (median)")
+    for i, v in enumerate(hits):
+        ax.text(v, i, f" {v:.3g}", va="center", fontsize=8)
+
+
+def _memory_panel(ax: Any, summary: dict[str, Any], mem: list[str]) -> None:
+    vals = [summary["paths"][n]["net_bytes"] / MIB for n in mem]
+    ax.bar(range(len(mem)), vals, color=[_COLORS[n] for n in mem])
+    one = summary["paths"][mem[0]]["one_copy_bytes"] / MIB
+    ax.axhline(one, color="k", linestyle="--", linewidth=1, label="one copy of the data")
+    ax.axhline(one * TARGETS["pss_ratio"], color="tab:green", linestyle=":", linewidth=1, label="1.15x target")
+    ax.set_xticks(range(len(mem)), [PATHS[n]["short"] for n in mem], rotation=20, ha="right")
+    ax.set_ylim(0, max(*vals, one * TARGETS["pss_ratio"]) * 1.15)
+    ax.set_ylabel("MiB (PSS + shared-memory files - baseline)")
+    ax.set_title("main + 2 workers memory, warm epoch (median)")
+    ax.legend(fontsize=8)
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+
+
+def plot(summary: dict[str, Any], path: Path) -> str | None:
+    """Write the figure to ``path``; return why not (``None`` if written)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        return f"no plot ({err}); pip install matplotlib"
+    names = [n for n in ALL_PATHS if "hit_s" in summary["paths"].get(n, {})]
+    mem = [n for n in PATHS if "net_bytes" in summary["paths"].get(n, {})]
+    panels = [
+        p for p, ok in (("runs", bool(summary["runs"]["series"])), ("hits", bool(names)), ("mem", bool(mem))) if ok
+    ]
+    if not panels:
+        return "no plot: nothing measured"
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "runs":
+            _runs_panel(ax, summary)
+        elif panel == "hits":
+            _hits_panel(ax, summary, names)
+        else:
+            _memory_panel(ax, summary, mem)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

@@ -9,10 +9,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-How the driver runs the jobs: each in a subprocess of its own (``bench_cache.py --job JOB CFG RESULT``) with
-``PYTHONPATH`` set to one tree (the fork's laid-out tree or a pristine upstream 1.6.1 tree) and
-``MONAI_CACHE_FAST_PATH`` set for the fork's store (``1``, or ``0`` for the portable path 5b), and the preparation of
-those trees.
+How the driver runs the jobs: each in a subprocess of its own (``bench_cache.py --job JOB CFG RESULT``, whose
+registry of jobs is ``bench_cache.JOBS``) with ``PYTHONPATH`` set to one tree (the fork's laid-out tree or a pristine
+upstream 1.6.1 tree) and ``MONAI_CACHE_FAST_PATH`` set for the fork's store (``1``, or ``0`` for the portable path
+5b), and the preparation of those trees. It imports no job module: the sections' drivers (``bench_ddp``,
+``bench_persistent``) import it.
 """
 
 from __future__ import annotations
@@ -26,43 +27,12 @@ import os
 import subprocess
 import sys
 import time
-import traceback
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench_common import BUILD_SCRIPT, FAST_PATH_ENV, REPO
-from bench_epochs import job_epoch
-from bench_hits import job_micro_fork, job_micro_upstream
-from bench_persistent import job_persist
-from bench_small import job_small
 
 SCRIPT = Path(__file__).resolve().with_name("bench_cache.py")
-
-JOBS: dict[str, Callable[[dict], dict[str, Any]]] = {
-    "micro_fork": job_micro_fork,
-    "micro_upstream": job_micro_upstream,
-    "epoch": job_epoch,
-    "small": job_small,
-    "persist": job_persist,
-}
-
-
-def run_job_main(job: str, cfg_path: str, result_path: str) -> int:
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        try:
-            result = JOBS[job](cfg)
-        except Exception:
-            result = {"error": traceback.format_exc()}
-    messages = sorted({f"{w.category.__name__}: {w.message}"[:400] for w in caught})
-    result["job_warnings"] = messages
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-    return 0
 
 
 def log(msg: str) -> None:

@@ -17,29 +17,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import bench_kernel
 from bench_common import FAST_PATH_ENV, PATHS, PORTABLE, TARGETS, median
+from bench_hits import kernel_summary
 
 # the per-run ratios to the floor: (series name, path, key of the path's stats)
-SERIES = (
-    tuple(
-        (f"{prefix} {label}", path, key)
-        for path, prefix in (("store", "store"), ("store_root", "store-root"))
-        for label, key in (
-            ("hit", "hit_x_floor"),
-            ("first read", "first_read_x_floor"),
-            ("kernel touch", "kernel_touch_x_floor"),
-            ("kernel populate", "kernel_populate_x_floor"),
-        )
+SERIES = tuple(
+    (f"{prefix} {label}", path, key)
+    for path, prefix in (("store", "store"), ("store_root", "store-root"))
+    for label, key in (
+        ("hit", "hit_x_floor"),
+        ("first read", "first_read_x_floor"),
+        ("kernel touch", "kernel_touch_x_floor"),
     )
-    + (
-        ("store portable hit", PORTABLE, "hit_x_floor"),
-        ("store portable first read", PORTABLE, "first_read_x_floor"),
-    )
-    + (
-        ("floor, item in 4 KiB pages: hit", "private_nocopy_4k", "hit_x_floor"),
-        ("store hit / floor in 4 KiB pages", "store", "hit_x_floor_4k"),
-    )
+) + (
+    ("store portable hit", PORTABLE, "hit_x_floor"),
+    ("store portable first read", PORTABLE, "first_read_x_floor"),
 )
 
 
@@ -90,17 +82,14 @@ def _job_stats(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     same job."""
     paths = {name: _path_stats(p) for name, p in result["paths"].items()}
     floor = paths.get("private_nocopy", {}).get("hit_s", float("nan"))
-    floor_4k = paths.get("private_nocopy_4k", {}).get("hit_s")
     copy = paths.get("private_copy", {}).get("hit_s")
     for name, p in paths.items():
         p["hit_x_floor"] = p["hit_s"] / floor
         p["floor_s"] = floor
-        if floor_4k:
-            p["hit_x_floor_4k"] = p["hit_s"] / floor_4k
         if copy and not name.startswith("private"):
             p["copy_speedup"] = copy / p["hit_s"]  # how much faster than the private list with copy_cache=True
     for name, res in (result.get("kernel_floor") or {}).items():
-        k = bench_kernel.summarize(res)
+        k = kernel_summary(res)
         if name in paths:
             paths[name].update({f"kernel_{key}": value for key, value in k.items()})
     return paths
