@@ -163,7 +163,7 @@ class TestTransformsFingerprint(unittest.TestCase):
 
         data = [np.arange(3.0)]
         with self.assertWarnsRegex(UserWarning, "socket.*neither shared .* hash_transform="):
-            CacheDataset(data, Compose([Holds(a)]), runtime_cache=True, progress=False)
+            CacheDataset(data, Compose([Holds(a)]), runtime_cache=[], progress=False)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a fingerprint of the user's own: no warning
             ds = CacheDataset(data, Compose([Holds(a)]), runtime_cache=[], hash_transform=lambda t: b"mine")

@@ -11,18 +11,20 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
+import threading
 import unittest
-import warnings
 from multiprocessing import Manager
+from unittest import mock
 
 import torch
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader
+from monai.data.utils import json_hashing
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
-from tests.test_utils import skip_if_windows
 
 DATA = list(range(8))
 MODES = [False, True, "thread", "process", "list", "listproxy"]
@@ -48,6 +50,13 @@ class AddOne(RandomizableTransform):
     def __call__(self, d):
         d["img"] += 1
         return d
+
+
+def _read_all(cache, log: str) -> None:
+    organs = {"liver", "spleen", "kidney", "lung", "heart", "brain"}  # pickled in an order of PYTHONHASHSEED's
+    pipeline = Compose([Load(log), Lambda(lambda d: {**d, "organs": len(organs)}), AddOne()])
+    ds = CacheDataset(DATA, pipeline, runtime_cache=cache)
+    assert [ds[i]["src"] for i in DATA] == DATA
 
 
 def computed(log: str) -> list[int]:
@@ -102,11 +111,13 @@ class TestRuntimeCache(unittest.TestCase):
         self.assertEqual(computed(self.log), [0, 1, 2, 3] + [4, 4, 5, 5, 6, 6, 7, 7])  # cached items once
 
     def test_set_data_resyncs_the_same_container(self):
-        cache = self.manager.list()
+        cache, previous = self.manager.list(), []
         ds = CacheDataset(DATA, Compose([Load(self.log), AddOne()]), runtime_cache=cache)
         for data in (DATA, [10, 11, 12] + DATA[3:] + [20], [10, 11]):
             ds.set_data(data)
-            self.assertEqual(len(cache), len(data))
+            kept = [i < len(previous) and previous[i] == x for i, x in enumerate(data)]
+            self.assertEqual([slot is not None for slot in cache], kept)  # the slots of other inputs are emptied
+            previous = data
             loader = DataLoader(ds, batch_size=1, num_workers=2, timeout=60)
             for _ in range(2):
                 for i, item in enumerate(loader):
@@ -149,6 +160,23 @@ class TestRuntimeCache(unittest.TestCase):
         self.check(ds[1], 1)
         self.check(same[1], 1)  # the item of `ds`: equal hashes say that the cached transforms are the same
         self.assertEqual(other[1]["img"][0, 0].item(), 11.0)
+        with_json = CacheDataset(DATA, scaled, runtime_cache=cache, hash_transform=json_hashing)  # as PersistentDataset
+        self.assertEqual(with_json[1]["img"][0, 0].item(), 11.0)
+
+    def test_processes_share_items(self):
+        """Processes with other PYTHONHASHSEED build the same pipeline (a set and a lambda in it): the same keys."""
+        cache = self.manager.list()
+        for seed in ("1", "2"):
+            with mock.patch.dict(os.environ, {"PYTHONHASHSEED": seed}):
+                child = multiprocessing.get_context("spawn").Process(target=_read_all, args=(cache, self.log))
+                child.start()
+            child.join(120)
+            self.assertEqual(child.exitcode, 0)
+        self.assertEqual(computed(self.log), DATA)  # once each, in the first process
+
+    def test_own_containers_hash_no_data(self):
+        data = [{"id": i, "lock": threading.Lock()} for i in DATA]  # pickle cannot store a lock
+        self.check(CacheDataset(data, Compose([Load(), AddOne()]), runtime_cache=True)[3], 3)
 
     @parameterized.expand([(m,) for m in MODES])
     def test_refresh(self, mode):
@@ -177,19 +205,11 @@ class TestRuntimeCache(unittest.TestCase):
         with self.assertRaisesRegex(error, "runtime_cache.*accepted"):
             CacheDataset(DATA, Load(), runtime_cache=value)
 
-    @skip_if_windows  # there a spawned worker writes to its standard error handle, which dup2 does not redirect
     def test_worker_warning(self):
-        ds, saved = CacheDataset(DATA, Load(), runtime_cache=True), os.dup(2)
-        self.addCleanup(os.close, saved)
-        self.addCleanup(os.dup2, saved, 2)  # first: the standard error of the test back
-        with tempfile.TemporaryFile() as err, warnings.catch_warnings():
-            warnings.simplefilter("default")  # once per location, whatever a test runner set
-            warnings.showwarning = lambda m, c, f, n, *_: os.write(2, warnings.formatwarning(m, c, f, n).encode())
-            os.dup2(err.fileno(), 2)  # a worker, forked or spawned, inherits fd 2 and prints its warnings there
-            got = sorted(int(s) for b in DataLoader(ds, batch_size=2, num_workers=1, timeout=60) for s in b["src"])
-            text = os.pread(err.fileno(), 1 << 16, 0).decode()
-        self.assertEqual(got, DATA, text)
-        self.assertEqual(text.count("is filled in a DataLoader worker"), 1, text)
+        ds = CacheDataset(DATA, Load(), runtime_cache=True)
+        with mock.patch("monai.data.dataset.get_worker_info", return_value=object()):  # as in a DataLoader worker
+            with self.assertWarnsRegex(UserWarning, "is filled in a DataLoader worker"):
+                ds[0]
 
 
 if __name__ == "__main__":

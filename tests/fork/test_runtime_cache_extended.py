@@ -532,6 +532,23 @@ class TestDistributed(ManagerTestCase):
                 self.assertEqual(counts[k], 3, k)
 
 
+class TestWorkerWarning(unittest.TestCase):
+    """The warning of runtime_cache=True, read from a real DataLoader worker's standard error (fd 2)."""
+
+    def test_worker_warning_from_a_real_worker(self):
+        ds, saved = CacheDataset(DATA, Load(), runtime_cache=True), os.dup(2)
+        self.addCleanup(os.close, saved)
+        self.addCleanup(os.dup2, saved, 2)  # first: the standard error of the test back
+        with tempfile.TemporaryFile() as err, warnings.catch_warnings():
+            warnings.simplefilter("default")  # once per location, whatever a test runner set
+            warnings.showwarning = lambda m, c, f, n, *_: os.write(2, warnings.formatwarning(m, c, f, n).encode())
+            os.dup2(err.fileno(), 2)  # a worker, forked or spawned, inherits fd 2 and prints its warnings there
+            got = sorted(int(s) for b in DataLoader(ds, batch_size=2, num_workers=1, timeout=60) for s in b["src"])
+            text = os.pread(err.fileno(), 1 << 16, 0).decode()
+        self.assertEqual(got, DATA, text)
+        self.assertEqual(text.count("is filled in a DataLoader worker"), 1, text)
+
+
 class TestKeys(unittest.TestCase):
     def test_unpicklable_members_count_by_type(self):
         a, b = CountedLoad("x"), CountedLoad("x")
