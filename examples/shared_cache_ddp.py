@@ -196,17 +196,18 @@ def gather(obj: Any, world: int) -> list[Any]:
 
 
 def stats_lines(all_stats: list[dict[str, Any]]) -> list[str]:
-    """``ds.cache_stats()`` of every rank, two lines each: this process's counts, and the cache's."""
+    """``ds.cache_stats()`` of every rank, two lines each: this process's counts, and the dataset's and cache's."""
     lines = []
     for rank, stats in enumerate(all_stats):
-        proc, cache = stats["process"], dict(stats["cache"])
-        filled, capacity, nbytes = cache.pop("filled"), cache.pop("capacity"), cache.pop("nbytes")
+        proc, cache, dataset = stats["process"], dict(stats["cache"]), stats["dataset"]
+        filled, capacity, nbytes = dataset["filled"], dataset["capacity"], cache.pop("nbytes")
+        cache.pop("filled")
         size = "?" if nbytes is None else f"{nbytes / MIB:.1f} MiB"
         counts = ", ".join(f"{k} {v}" for k, v in proc.items())
         others = ", ".join(f"{k} {v}" for k, v in cache.items())
         prefix = f"    rank {rank} ds.cache_stats()  "
         lines.append(f"{prefix}process: {counts}")
-        lines.append(f"{' ' * len(prefix)}cache:   filled {filled}/{capacity} ({size}), {others}")
+        lines.append(f"{' ' * len(prefix)}dataset: filled {filled}/{capacity}; cache: {size}, {others}")
     return lines
 
 

@@ -138,9 +138,10 @@ class TestFill(DistTestCase):
         stats = ds.cache_stats()
         self.assertEqual(stats["process"], {"hits": 2 * N, "misses": 0, "computed": N, "refused": 0})
         self.assertEqual(counts(stats["cache"]), stats["process"])  # this process alone used the cache
-        self.assertEqual(stats["cache"]["capacity"], N)
         store = mode == "store" or (mode == "process" and SharedCacheStore.supported)
-        if mode == "listproxy" or (mode == "process" and not store):  # not counted: it would copy every item out
+        proxy = mode == "listproxy" or (mode == "process" and not store)  # not counted: it would copy every item out
+        self.assertEqual(stats["dataset"], {"capacity": N, "filled": None if proxy else N})
+        if proxy:
             self.assertEqual((stats["cache"]["filled"], stats["cache"]["nbytes"]), (None, None))
         elif store:  # the item files, with their headers
             self.assertEqual(stats["cache"]["filled"], N)
@@ -239,12 +240,23 @@ class TestFill(DistTestCase):
         self.assertTrue(store.fill("k", lambda: computed.append(3) or 3))  # stored by the other thread
         self.assertEqual((computed, store.get("k")), ([], 1))
 
+    def test_two_datasets_in_one_store(self) -> None:
+        """A train and a validation dataset in one store: each counts its own slots, and the store holds both."""
+        store = self.runtime_cache("store")
+        train = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        train.fill()
+        val = CacheDataset([100, 101, 102], Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        val[0]
+        self.assertEqual(train.cache_stats()["dataset"], {"capacity": N, "filled": N})
+        self.assertEqual(val.cache_stats()["dataset"], {"capacity": 3, "filled": 1})
+        self.assertEqual(val.cache_stats()["cache"]["filled"], N + 1)
+
     def test_no_runtime_cache_nothing_to_fill(self) -> None:
         ds = self.dataset("eager", cache_rate=0.5)
         ds.fill()
         self.assertEqual(computations(self.log), Counter(range(N // 2)))
         stats = ds.cache_stats()
-        self.assertEqual((stats["cache"]["filled"], stats["cache"]["capacity"]), (N // 2, N // 2))
+        self.assertEqual((stats["cache"]["filled"], stats["dataset"]), (N // 2, {"capacity": N // 2, "filled": N // 2}))
         self.assertEqual(stats["process"], {**NO_EVENTS, "computed": N // 2})
 
     @parameterized.expand([("budget",), ("fault",)])
