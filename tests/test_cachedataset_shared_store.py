@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import unittest
 from unittest import mock
 
@@ -26,7 +27,7 @@ from parameterized import parameterized
 from monai.data import CacheDataset, DataLoader, MetaTensor, SharedCacheStore
 from monai.data import _cache_budget as budget
 from monai.data import _cache_format as fmt
-from monai.transforms import Compose, RandomizableTransform, Transform
+from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
@@ -94,6 +95,18 @@ class TestProcessMode(unittest.TestCase):
         gc.collect()
         self.assertFalse(os.path.exists(path))  # removed with its last user
         self.assertEqual(os.listdir(self.root), [])
+
+    @needs_store
+    def test_set_data_makes_a_new_store_and_pickles_no_data(self):
+        """As the Manager list was: a new store at every set_data, the old one removed; the data are never pickled."""
+        data = [{"id": i, "lock": threading.Lock()} for i in range(4)]  # pickle cannot store a lock
+        ds = CacheDataset(data, Compose([Lambda(lambda d: d["id"]), Load(self.log), AddOne()]), runtime_cache="process")
+        for _ in range(2):
+            old = ds._cache.cache.store.path
+            self.assertEqual([ds[i]["img"][0].item() for i in range(4) for _ in range(2)], [1, 1, 2, 2, 3, 3, 4, 4])
+            ds.set_data(data)
+            self.assertFalse(os.path.exists(old))
+        self.assertEqual(_computed(self.log), [0, 0, 1, 1, 2, 2, 3, 3])  # once for each store
 
     @needs_store
     def test_refresh_drops_the_items_of_the_dataset_only(self):
