@@ -165,10 +165,10 @@ class Budget:
                     f"{what} {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, and "
                     f"{reserve / 2**20:.0f} MiB are kept free for the DataLoader's shared memory (reserve)"
                 )
-        used = self._update(nbytes, self.max_bytes, 0, False, made)[0]
+        used = self._update(nbytes, cap=self.max_bytes, made=made)[0]
         full = self.max_bytes is not None and used + nbytes > self.max_bytes
         if full and self.recount is not None and used != self._recounted:  # what killed processes left counted
-            used = self._recounted = self._update(nbytes, self.max_bytes, 0, True, made)[0]
+            used = self._recounted = self._update(nbytes, cap=self.max_bytes, recount=True, made=made)[0]
         if self.max_bytes is not None and used + nbytes > self.max_bytes:
             return f"the store holds {used / 2**20:.0f} MiB and its cap is max_bytes={self.max_bytes}"
         return None
@@ -180,14 +180,20 @@ class Budget:
         Raises:
             OSError: the count cannot be opened, read or written.
         """
-        return self._update(nbytes, None, items, False)[0]
+        return self._update(nbytes, items=items)[0]
 
     def counted(self) -> tuple[int, int]:
         """The store's bytes (the writes under way included) and its number of items, as counted."""
-        return self._update(0, None, 0, False)
+        return self._update(0)
 
     def _update(
-        self, nbytes: int, cap: int | None, items: int, recount: bool, made: Callable[[], object] | None = None
+        self,
+        nbytes: int,
+        *,
+        cap: int | None = None,
+        items: int = 0,
+        recount: bool = False,
+        made: Callable[[], object] | None = None,
     ) -> tuple[int, int]:
         """
         Add ``nbytes`` and ``items`` to the counts unless that would pass ``cap``, then ``made()``; the counts before.
