@@ -138,10 +138,10 @@ class Budget:
     def load(cls, d: Any) -> Budget:
         """The budget recorded in the store ``d`` (the defaults if none can be read)."""
         try:
-            with os.fdopen(d.open_checked(BUDGET_FILE)) as f:
-                recorded = json.load(f)
+            found = d.read_checked(BUDGET_FILE)
+            recorded = json.loads(found[0]) if found is not None else {}
             return cls(d, recorded.get("reserve"), recorded.get("max_bytes"))
-        except (OSError, TypeError, ValueError, AttributeError):  # TypeError: not a private file (no descriptor)
+        except (OSError, ValueError, AttributeError):  # AttributeError: not a JSON object
             return cls(d)
 
     def room_for(self, nbytes: int, made: Callable[[], object] | None = None) -> str | None:

@@ -118,12 +118,11 @@ class Counters:
             names = []
         for name in names:
             try:
-                with os.fdopen(slots.open_checked(name), "rb") as f:  # type: ignore[arg-type]
-                    data = f.read(_SLOT.size)
-            except (OSError, TypeError):  # TypeError: not a private file
+                found = slots.read_checked(name, _SLOT.size)
+            except OSError:
                 continue
-            if len(data) == _SLOT.size:
-                sums = [a + b for a, b in zip(sums, _SLOT.unpack(data))]
+            if found is not None and len(found[0]) == _SLOT.size:
+                sums = [a + b for a, b in zip(sums, _SLOT.unpack(found[0]))]
         return dict(zip(FIELDS, sums)) if names else self.local()
 
     def __reduce__(self) -> tuple:

@@ -229,9 +229,9 @@ def open_dir(path: str) -> locks.Dir:
     if not _exists(d, locks.PERSISTENT):  # a new store, or one whose start was interrupted
         _write(d, locks.PERSISTENT, json.dumps({"layout": LAYOUT}))
     try:
-        with os.fdopen(d.open_checked(locks.PERSISTENT)) as f:  # type: ignore[arg-type]
-            layout = json.load(f).get("layout")
-    except (OSError, TypeError, ValueError, AttributeError):
+        found = d.read_checked(locks.PERSISTENT)
+        layout = json.loads(found[0]).get("layout") if found is not None else None
+    except (OSError, ValueError, AttributeError):  # AttributeError: not a JSON object
         layout = None
     if layout != LAYOUT:
         raise ValueError(
