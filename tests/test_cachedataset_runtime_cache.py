@@ -165,10 +165,10 @@ class TestRuntimeCache(unittest.TestCase):
 
     def test_processes_share_items(self):
         """Processes with other PYTHONHASHSEED build the same pipeline (a set and a lambda in it): the same keys."""
-        cache = self.manager.list()
+        cache, spawn = self.manager.list(), multiprocessing.get_context("spawn")
         for seed in ("1", "2"):
-            with mock.patch.dict(os.environ, {"PYTHONHASHSEED": seed}):
-                child = multiprocessing.get_context("spawn").Process(target=_read_all, args=(cache, self.log))
+            with mock.patch.dict(os.environ, {"PYTHONHASHSEED": seed}):  # a hung child goes with this process
+                child = spawn.Process(target=_read_all, args=(cache, self.log), daemon=True)
                 child.start()
             child.join(120)
             self.assertEqual(child.exitcode, 0)
