@@ -107,12 +107,12 @@ import sys
 sys.path.insert(0, "build_backend")
 import monai_sharedcache_build as b
 files = set()
-for p in b.patch_files(b.ROOT / b.PATCHES):
+for p in b.all_patches():
     files.update(fp.path for fp in b.parse_patch(p.read_text(), p.name))
 print(" ".join(sorted(files)))
 PYFILES
 )
-    overlay=$(find monai -name '*.py' | sort)
+    overlay=$(find monai monai_sharedcache -name "*.py" 2>/dev/null | sort)
     # our Python files: what git tracks or would track (generated output is git-ignored)
     if git rev-parse --git-dir >/dev/null 2>&1; then
         ours=$(git ls-files --cached --others --exclude-standard -- '*.py' |

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 JOB = r"""
 import json, os, sys, tempfile, time
 import numpy as np, torch
-from monai.data.cache_store import SharedCacheStore
+from monai.data import SharedCacheStore
 
 kind, reps = sys.argv[1], int(sys.argv[2])
 root = tempfile.mkdtemp(dir="/dev/shm")

@@ -111,8 +111,6 @@ STORE_MODULES = (
     "_cache_locks.py",
     "_cache_budget.py",
     "_cache_counters.py",
-    "_cache_pool.py",
-    "_cache_pages.py",
     "shared_cache.py",
     "dataset.py",
 )
@@ -327,11 +325,13 @@ def job_setup() -> dict[str, Any]:
         for name in STORE_MODULES:
             if (data / name).exists():
                 digest.update(name.encode() + b"\0" + (data / name).read_bytes())
+        for path in sorted((data.parent.parent / "monai_sharedcache").glob("*.py")):  # the fork's layer
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
         info["store_sha256"] = digest.hexdigest()[:16]
         try:
-            from monai.data import _cache_pool  # the fork's Linux fast path: on unless MONAI_CACHE_FAST_PATH=0
+            from monai_sharedcache import _pool  # the fork's Linux fast path: on unless MONAI_CACHE_FAST_PATH=0
 
-            info["fast_path"] = bool(_cache_pool.ENABLED)
+            info["fast_path"] = bool(_pool.ENABLED)
         except ImportError:
             info["fast_path"] = None
     return info

@@ -57,14 +57,15 @@ def job_micro_fork(cfg: dict) -> dict[str, Any]:
     (read at the import of monai, so it cannot be switched inside one process), and it fails if the fast path is on.
     """
     info = job_setup()
-    from monai.data import CacheDataset
-    from monai.data.cache_store import SharedCacheStore
+    from monai.data import CacheDataset, SharedCacheStore
 
     portable = cfg.get("variant", "full") == "portable"
     if info.get("fast_path") is None:
-        raise RuntimeError("this tree has no monai.data._cache_pool: not the fork's tree")
+        raise RuntimeError("this tree has no monai_sharedcache._pool: not the fork's tree")
     if portable and info["fast_path"]:
-        raise RuntimeError(f"{FAST_PATH_ENV}=0 did not turn the fast path off (_cache_pool.ENABLED is True)")
+        raise RuntimeError(
+            f"{FAST_PATH_ENV}=0 did not turn the fast path off (monai_sharedcache._pool.ENABLED is True)"
+        )
     store_name = PORTABLE if portable else "store"
     reps, fill_n, warmup = cfg["reps"], cfg["fill_n"], 2
     data = inputs(cfg, fill_n)

@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-What the keys of PR 12 cost (``PYTHONPATH=build/tree python benchmarks/bench_keys.py [--entries 10000] [--dir DIR]
+What the keys of PR 11 cost (``PYTHONPATH=build/tree python benchmarks/bench_keys.py [--entries 10000] [--dir DIR]
 [--upstream DIR]``):
 
 - the fingerprint of a typical MONAI pipeline (``LoadImaged``, ``EnsureChannelFirstd``, ``Spacingd``,

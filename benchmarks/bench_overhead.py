@@ -56,12 +56,14 @@ HOOKS = """
 import json
 import numpy as np
 import monai
-from monai.data import CacheDataset, _cache_counters, _cache_locks, _cache_pool
+import sys
+from monai.data import CacheDataset, _cache_counters, _cache_locks
 from monai.transforms import Compose, Lambda
 ds = CacheDataset([np.zeros(4)] * 4, Compose([Lambda(lambda x: x)]), progress=False)
 [ds[i] for i in range(4)]
-hooks = int(bool(_cache_locks._HOOKED)) + int(bool(_cache_counters._HOOKED)) + int("ENABLED" in vars(_cache_pool))
-print(json.dumps({"at_fork_hooks": hooks, "libc_loaded": _cache_pool._LIBC_LOADED}))
+pool = sys.modules.get("monai_sharedcache._pool")  # the fork's layer, not imported before a store is made
+hooks = int(bool(_cache_locks._HOOKED)) + int(bool(_cache_counters._HOOKED)) + int("ENABLED" in vars(pool or sys))
+print(json.dumps({"at_fork_hooks": hooks, "libc_loaded": bool(pool and pool._LIBC_LOADED)}))
 """
 
 

@@ -238,7 +238,7 @@ def notes(summary: dict[str, Any], cfg: dict[str, Any], raw: dict[str, Any] | No
     """Informative ratios that are not targets, and warnings about what was measured."""
     lines = []
     if raw is not None and any(r.get("info", {}).get("fast_path") is False for r in fork_runs(raw)):
-        lines.append("WARNING  path 5 ran without the store's fast path (monai.data._cache_pool.ENABLED is False)")
+        lines.append("WARNING  path 5 ran without the store's fast path (monai_sharedcache._pool.ENABLED is False)")
     p = summary["paths"].get("store_portable", {})
     if p.get("floor_vs_full_job_floor") is not None:
         lines.append(

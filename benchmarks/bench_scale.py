@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from monai.data.cache_store import SharedCacheStore
+from monai.data import SharedCacheStore
 
 OUT = Path(__file__).resolve().parent / "output" / "bench_scale.json"
 

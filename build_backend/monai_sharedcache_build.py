@@ -45,16 +45,20 @@ from pathlib import Path
 UPSTREAM_VERSION = "1.6.1"
 UPSTREAM_WHEEL = f"monai-{UPSTREAM_VERSION}-py3-none-any.whl"
 UPSTREAM_SHA256 = "dbd3b1dd309e752e0477ed73fde03b92f80ac74bfb8a8c4260f018b5d6ab2b0b"
-FORK_BUILD = 19
+FORK_BUILD = 20
 VERSION = f"{UPSTREAM_VERSION}+sharedcache.{FORK_BUILD}"
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERLAY = "monai"
 PATCHES = "patches"
+# The fork's own layer, never proposed upstream: a second top-level package of the wheel, laid out after the whole
+# series, and the patches of upstream files that wire it in (applied after the series, named fork-NNNN-*.patch)
+LAYER = "monai_sharedcache"
+FORK_PATCHES = "patches/fork"
 CONFIG_KEY = "upstream-wheel"  # pip install . --config-settings upstream-wheel=/path/to/monai-1.6.1-py3-none-any.whl
 ENV_WHEEL = "MONAI_UPSTREAM_WHEEL"
 ENV_CACHE = "MONAI_SHAREDCACHE_CACHE_DIR"
-SDIST_MEMBERS = ("pyproject.toml", "README.md", "CHANGELOG.md", "build_backend", OVERLAY, PATCHES)
+SDIST_MEMBERS = ("pyproject.toml", "README.md", "CHANGELOG.md", "build_backend", OVERLAY, LAYER, PATCHES)
 # 2026-01-01T00:00:00Z, used for every archive member unless SOURCE_DATE_EPOCH says otherwise
 DEFAULT_EPOCH = 1767225600
 
@@ -262,6 +266,11 @@ def patch_files(patches_dir: Path) -> list[Path]:
     return sorted(p for p in patches_dir.glob("*.patch") if p.is_file())
 
 
+def all_patches(src_root: Path = ROOT) -> list[Path]:
+    """Every patch the build applies: the upstream series, then the fork's (``fork-`` sorts after the digits)."""
+    return patch_files(src_root / PATCHES) + patch_files(src_root / FORK_PATCHES)
+
+
 def apply_patch(tree: Path, patch: Path) -> list[str]:
     """Apply ``patch`` to ``tree`` strictly; all files are checked before any is written. Returns the paths."""
     results = {}
@@ -297,8 +306,8 @@ def make_patch(path: str, before: str, after: str) -> str:
 # Laying out the patched tree
 
 
-def _overlay_files(src_root: Path) -> list[Path]:
-    base = src_root / OVERLAY
+def _overlay_files(src_root: Path, top: str = OVERLAY) -> list[Path]:
+    base = src_root / top
     if not base.is_dir():
         return []
     files = []
@@ -346,7 +355,8 @@ def set_version(tree: Path) -> None:
 def input_digest(src_root: Path = ROOT) -> str:
     """A digest of everything the built tree depends on; the developer loop rebuilds when it changes."""
     h = hashlib.sha256(f"{VERSION}:{UPSTREAM_SHA256}".encode())
-    inputs = _overlay_files(src_root) + [p.relative_to(src_root) for p in patch_files(src_root / PATCHES)]
+    inputs = _overlay_files(src_root) + _overlay_files(src_root, LAYER)
+    inputs += [p.relative_to(src_root) for p in all_patches(src_root)]
     inputs.append(Path(__file__).resolve().relative_to(src_root.resolve()))
     for rel in inputs:
         h.update(str(rel).encode() + b"\0" + (src_root / rel).read_bytes() + b"\0")
@@ -357,16 +367,17 @@ def _assemble(tree: Path, wheel: Path, src_root: Path = ROOT, upto: str | None =
     """
     Unpack upstream into ``tree``, add the overlay (the modules as the PR that adds them has them), then apply the
     patches in order, stopping before the patch named ``upto``: diffs of upstream files, and diffs by a later PR of
-    an overlay module that an earlier PR added.
+    an overlay module that an earlier PR added. The fork's layer comes with its own patches, after the whole series.
     """
     unpack_upstream(wheel, tree)
-    for rel in _overlay_files(src_root):
+    layer = upto is None or upto.startswith("fork-")
+    for rel in _overlay_files(src_root) + (_overlay_files(src_root, LAYER) if layer else []):
         target = tree / rel
         if target.exists():
             raise BuildError(f"overlay file {rel} would replace an upstream file; change upstream with a patch")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src_root / rel, target)
-    for patch in patch_files(src_root / PATCHES):
+    for patch in all_patches(src_root):
         if upto is not None and patch.name >= upto:
             break
         apply_patch(tree, patch)
@@ -531,7 +542,7 @@ def refresh(patch: Path, tree: Path, files: list[str] | None = None, src_root: P
     patch also touches is refused, because its edit could not be told apart: edit a tree that stops before the later
     patch instead (``pristine --upto``), then refresh the later patches in turn.
     """
-    series = patch_files(src_root / PATCHES)
+    series = all_patches(src_root)
     # a new patch may hold only its description so far
     header, diffs = _strip_header(patch.read_text() if patch.is_file() else "")
     touched = [fp.path for fp in parse_patch(diffs, patch.name)] if diffs else []
@@ -861,7 +872,7 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("dest")
     p.add_argument("--upto", help="a patch file name of the series")
     p = sub.add_parser("refresh", help="regenerate a patch from the files edited in the laid-out tree")
-    p.add_argument("patch", help="patches/NNNN-name.patch (created if new)")
+    p.add_argument("patch", help="patches/NNNN-name.patch or patches/fork/fork-NNNN-name.patch (created if new)")
     p.add_argument("files", nargs="*", help="upstream files (monai/...) to add to the patch")
     p.add_argument("--tree", default=str(ROOT / "build" / "tree"))
     p = sub.add_parser("export-patch", help="write the upstream PR series (patches, descriptions) and the tutorials")

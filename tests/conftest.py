@@ -30,6 +30,7 @@ _EVERY_MODE = (
     "tests/fork/test_fork_build.py",  # the build and the series: no process of the cache
     "tests/fork/test_fork_guard.py",
     "tests/fork/test_conventions.py",
+    "tests/layer/test_layering.py",  # the layering: reads sources, and imports monai in one interpreter
     "tests/test_cachedataset_keys.py",  # keys: in-process, and interpreters started by subprocess
     "tests/test_cachedataset_digests.py",  # interpreters started by subprocess, no DataLoader worker
     "tests/fork/test_keys_extended.py",  # interpreters started by subprocess, no DataLoader worker

@@ -24,9 +24,10 @@ from unittest import mock
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, MetaTensor, SharedCacheStore
+from monai.data import CacheDataset, DataLoader, MetaTensor
 from monai.data import _cache_budget as budget
 from monai.data import _cache_format as fmt
+from monai.data.cache_store import SharedCacheStore
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")

@@ -22,6 +22,7 @@ import io
 import os
 import pickle
 import struct
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -30,11 +31,10 @@ import torch
 MISS = object()  # what `decode` returns for the file of another key
 _MAGIC = b"\x89MONAI\r\n"
 VERSION = 1
-# magic, version, flags, header_len, total_len, key_len, n_buffers, pickle_len
-_PREFIX = struct.Struct("<8sHHIQIIQ")
+_PREFIX = struct.Struct("<8sHHIQIIQ")  # magic, version, flags, header_len, total_len, key_len, n_buffers, pickle_len
 _ENTRY = struct.Struct("<QQ")
 _ALIGN = 64
-_FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"  # opens a descriptor's file again
+FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"  # opens a descriptor's file again
 _SMALL_FILE = 64 * 1024  # smaller files are read into memory, larger ones mapped
 _GPU = "SharedCacheStore stores CPU tensors only, got one on {}: keep the cached transforms on the CPU and move the "
 _GPU += "data to the GPU after them, e.g. with EnsureTyped(keys, device=...) after the first random transform."
@@ -124,10 +124,10 @@ def write_item(fd: int, chunks: list[tuple[int, memoryview]]) -> None:
             data, offset = data[n:], offset + n
 
 
-def read_file(d: Any, name: str) -> tuple[memoryview, int]:
+def read_file(d: Any, name: str, map_large: Callable[[int, os.stat_result, str], memoryview]) -> tuple[memoryview, int]:
     """
     A private, writable copy-on-write view of the file ``name`` in the store directory ``d`` (checked before a byte
-    is read: see ``Dir.open_checked``), and its inode; no file descriptor stays open.
+    is read: see ``Dir.open_checked``; a large one mapped by ``map_large``), and its inode; no descriptor stays open.
 
     Raises:
         FileNotFoundError: there is no file at ``name`` (or it was replaced while it was mapped).
@@ -146,14 +146,9 @@ def read_file(d: Any, name: str) -> tuple[memoryview, int]:
             while got < st.st_size and (n := os.readv(fd, [view[got:]])):
                 got += n
             return view[:got], st.st_ino
-        try:  # a MAP_PRIVATE mapping of the opened file, that holds no descriptor, unmapped with its last view
-            storage = torch.UntypedStorage.from_file(f"{_FD_DIR}/{fd}", shared=False, nbytes=st.st_size)
-        except RuntimeError as err:  # truncated meanwhile, or the mapping failed
-            raise OSError(errno.EIO, str(err), name) from err
+        return map_large(fd, st, name), st.st_ino
     finally:
         os.close(fd)
-    array = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage)).numpy()
-    return memoryview(cast(Any, array)), st.st_ino
 
 
 def decode(buf: memoryview, key: str) -> Any:

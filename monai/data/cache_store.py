@@ -24,6 +24,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
+import torch
+
 from monai.data import _cache_format as fmt
 from monai.data import _cache_locks as locks
 
@@ -199,6 +201,14 @@ class SharedCacheStore:
         if self._finalizer is not None:
             self._finalizer()
 
+    def map_item(self, fd: int, st: os.stat_result, name: str) -> memoryview:
+        """A private copy-on-write mapping of the large item file ``name``, open at ``fd`` and checked (``st``)."""
+        try:  # no descriptor kept: unmapped with the last view; a subclass may reuse an earlier mapping instead
+            storage = torch.UntypedStorage.from_file(f"{fmt.FD_DIR}/{fd}", shared=False, nbytes=st.st_size)
+        except RuntimeError as err:  # truncated meanwhile, or the mapping failed
+            raise OSError(errno.EIO, str(err), name) from err
+        return memoryview(cast(Any, torch.empty(0, dtype=torch.uint8).set_(cast(Any, storage)).numpy()))
+
     @staticmethod
     def _stem(key: str) -> str:
         return key if _SAFE_KEY.fullmatch(key) else hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
@@ -210,7 +220,7 @@ class SharedCacheStore:
         path, ino = self._file(key, ".item"), None
         try:
             if not self._gone:
-                buf, ino = fmt.read_file(self._dir, path)
+                buf, ino = fmt.read_file(self._dir, path, self.map_item)
                 return fmt.decode(buf, key)
         except FileNotFoundError:
             pass

@@ -112,6 +112,7 @@ def create_shared_cache(
     timeout: float | None = None,
     reserve: int | None = None,
     max_bytes: int | None = None,
+    store_type: type[SharedCacheStore] = SharedCacheStore,
 ) -> SharedCacheStore:
     """
     Create one :py:class:`~monai.data.SharedCacheStore` per node for the ranks of ``group``: the ranks of a node, and
@@ -153,6 +154,7 @@ def create_shared_cache(
         reserve: bytes each node's store keeps free on its file system for the DataLoader's shared memory (see
             :py:class:`~monai.data.SharedCacheStore`; the value of the lowest rank of each node counts).
         max_bytes: a cap on the total size of each node's store (the value of the lowest rank of each node counts).
+        store_type: the class of the stores made and attached to: ``SharedCacheStore`` or a subclass of it.
 
     Returns:
         this rank's handle of its node's store. Pass it as ``runtime_cache``; ``close()`` it when the rank no longer
@@ -178,13 +180,13 @@ def create_shared_cache(
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
     check_bytes("reserve", reserve)  # on every rank, before any collective
     check_bytes("max_bytes", max_bytes)
-    if not SharedCacheStore.supported:
+    if not store_type.supported:
         raise NotImplementedError(
             "create_shared_cache needs SharedCacheStore, which needs fcntl file locks, missing on this platform. Give "
             "each rank its own cache instead: CacheDataset(..., runtime_cache=False) or runtime_cache='process'."
         )
     if not (dist.is_available() and dist.is_initialized()):
-        return SharedCacheStore(root=root, reserve=reserve, max_bytes=max_bytes)
+        return store_type(root=root, reserve=reserve, max_bytes=max_bytes)
     if dist.get_rank(group) < 0:
         raise ValueError("create_shared_cache: this process is not a member of `group`.")
     node = _node_identity(node_id)
@@ -198,7 +200,7 @@ def create_shared_cache(
         created: tuple[str, str] | None = None
         if me == creator:
             try:
-                store = SharedCacheStore(root=root, reserve=reserve, max_bytes=max_bytes)
+                store = store_type(root=root, reserve=reserve, max_bytes=max_bytes)
                 created = (_OK, store.path)
             except Exception as err:  # every rank must learn of it, and none may hang waiting for a path
                 created = (
@@ -213,7 +215,7 @@ def create_shared_cache(
         attached: tuple[str, str] = (_OK, "")
         if me != creator:
             try:
-                store = SharedCacheStore(outcomes[creator][1])
+                store = store_type(outcomes[creator][1])
             except Exception as err:
                 attached = (
                     _ERROR,

@@ -54,7 +54,9 @@ def unknown_sections(doc: str) -> list[str]:
 class TestConventions(unittest.TestCase):
     def test_docstring_sections_are_napoleons(self):
         """Every docstring of the overlay and of the exported tests uses only sections that napoleon knows."""
-        files = [ROOT / f for f in build._overlay_files(ROOT) if f.suffix == ".py"]
+        files = [
+            ROOT / f for f in build._overlay_files(ROOT) + build._overlay_files(ROOT, build.LAYER) if f.suffix == ".py"
+        ]
         files += [ROOT / "tests" / t for st in build.read_series() for t in st.tests]
         bad = [f"{where}: {name}" for f in files for where, doc in docstrings(f) for name in unknown_sections(doc)]
         self.assertEqual(bad, [])

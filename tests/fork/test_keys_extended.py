@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-PR 12's keys across separate interpreter runs of one training script on a persistent store: every edit that can
+PR 11's keys across separate interpreter runs of one training script on a persistent store: every edit that can
 change an item (a module function, a method, a global constant, a default argument and a closure value in
 ``__main__``, a ``multiprocessing.Value``, a file rewritten in place) is recomputed, and a run where nothing changed
 (another ``PYTHONHASHSEED`` included) computes nothing; 2 gloo ranks with other hash seeds compute each item once,

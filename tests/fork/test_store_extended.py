@@ -65,6 +65,7 @@ from parameterized import parameterized
 from monai.data import CacheDataset, DataLoader, MetaTensor, SharedCacheStore
 from monai.data import _cache_format as fmt
 from monai.data import _cache_locks as locks
+from monai.data import cache_store
 from monai.data.utils import pickle_hashing
 from monai.transforms import Compose, Transform
 
@@ -428,19 +429,23 @@ print(float(item["img"].sum()), item["img"].affine[0, 0].item(), own.path, flush
 
 _UNTIL_A_STORE = """
 import json
+import sys
 import numpy as np
 import monai
-from monai.data import CacheDataset, SharedCacheStore
-from monai.data import _cache_counters, _cache_locks, _cache_pool
+from monai.data import CacheDataset
+from monai.data import _cache_counters, _cache_locks
 from monai.transforms import Compose, Lambda
 
 
 def hooks():
-    return [bool(_cache_locks._HOOKED), bool(_cache_counters._HOOKED), "ENABLED" in vars(_cache_pool), _cache_pool._LIBC_LOADED]
+    pool = sys.modules.get("monai_sharedcache._pool")  # the fork's layer: not even imported before a store is made
+    fast = [pool is not None and "ENABLED" in vars(pool), pool is not None and pool._LIBC_LOADED]
+    return [bool(_cache_locks._HOOKED), bool(_cache_counters._HOOKED), *fast]
 
 
 ds = CacheDataset([np.zeros(2)] * 4, Compose([Lambda(lambda x: x + 1)]), progress=False)
 eager = [float(ds[i][0]) for i in range(4)], hooks()
+from monai.data import SharedCacheStore
 store = SharedCacheStore()
 ds = CacheDataset([np.zeros(2**21)] * 2, Compose([Lambda(lambda x: x + 1)]), runtime_cache=store, progress=False)
 used = [float(ds[i][0]) for i in range(2)] + [float(ds[i][0]) for i in range(2)], hooks()
@@ -682,7 +687,7 @@ class TestDatasets(StoreCase):
         cache = self.new_store() if mode == "store" else mode
         ds = CacheDataset(DATA, Compose([Load(), RandAdd()]), cache_rate=rate, runtime_cache=cache, progress=False)
         store = ds._runtime.store
-        self.assertIsInstance(store, SharedCacheStore)
+        self.assertIsInstance(store, cache_store.SharedCacheStore)  # "process": the core's store, not the layer's
         if mode == "process":
             self.addCleanup(store.close)
         for _ in range(2):  # the second time from the store

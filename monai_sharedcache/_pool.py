@@ -9,18 +9,18 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The Linux fast path of :py:class:`monai.data.SharedCacheStore` reads: a per-process pool of private mappings of
+The Linux fast path of ``monai_sharedcache.SharedCacheStore`` reads: a per-process pool of private mappings of
 item files, reused with their page tables.
 
 A read through a fresh mapping pays a page fault for every page the reader touches, and an ``munmap`` at the end:
-for a random crop of a large image, most of a hit's cost (the benchmark of this layer's pull request measures it
+for a random crop of a large image, most of a hit's cost (`benchmarks/bench_hits.py` measures it
 with the pool and without). When all the views of a mapping are gone and
-none of its pages was written (checked in the page tables, :py:mod:`monai.data._cache_pages`), this process keeps
+none of its pages was written (checked in the page tables, :py:mod:`monai_sharedcache._pages`), this process keeps
 the mapping for the next read of the same unchanged file; a mapping reused once is populated and write-watched, so
 later hits take no fault. A written mapping is always unmapped, so every reader still gets a private, pristine copy.
 
 It needs Linux (``/proc/self/pagemap``) and libc's ``mmap`` through ``ctypes``, and turns itself off elsewhere, or
-with ``MONAI_CACHE_FAST_PATH=0``: reads then map each file afresh (:py:func:`monai.data._cache_format.read_file`).
+with ``MONAI_CACHE_FAST_PATH=0``: reads then map each file afresh (the core store's own reads).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from monai.data._cache_pages import _UNMAP, _WATCH, _keep
+from monai.data.cache_store import SharedCacheStore
+from monai_sharedcache import _pages as pages
 
 _LIBC: Any = None
 _LIBC_LOADED = False
@@ -101,7 +102,7 @@ class _MappingPool:
         self._libc: Any = None
 
     def take(self, ident: tuple) -> tuple[int, int] | None:
-        """A kept mapping of the file ``ident`` and its state (see :py:func:`_keep`), or None."""
+        """A kept mapping of the file ``ident`` and its state (see :py:func:`monai_sharedcache._pages.keep`), or None."""
         with self._lock:  # never called from a finalizer; a finalizer run in here only queues
             free = self._free.get(ident)
             found = None
@@ -139,8 +140,8 @@ class _MappingPool:
         unmap: list[tuple[int, int]] = []
         if job[0] == "release":
             _, libc, ident, addr, size, state = job
-            state = _keep(libc, addr, size, state) if ident is not None and _is_current(ident) else _UNMAP
-            if state == _UNMAP:
+            state = pages.keep(libc, addr, size, state) if ident is not None and _is_current(ident) else pages.UNMAP
+            if state == pages.UNMAP:
                 unmap.append((addr, size))
             else:
                 self._free.setdefault(ident, []).append((addr, size, state))
@@ -177,7 +178,7 @@ class _MappingPool:
         self._free = {}
         self._order = []
         self._queue = deque()
-        _WATCH.after_fork_in_child()
+        pages.WATCH.after_fork_in_child()
 
 
 POOL = _MappingPool()
@@ -187,8 +188,10 @@ def __getattr__(name: str) -> Any:
     """``ENABLED``, decided at its first use (a store's first read), never at import: nothing loads libc before."""
     if name != "ENABLED":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # the one place that decides: Linux (page tables in /proc/self/pagemap) and libc's mmap, unless turned off
+    # the one place that decides: Linux (page tables in /proc/self/pagemap), fcntl's ioctl (the core's platform
+    # decision) and libc's mmap, unless turned off
     enabled = sys.platform.startswith("linux") and os.environ.get("MONAI_CACHE_FAST_PATH", "1") != "0"
+    enabled = enabled and SharedCacheStore.supported
     globals()["ENABLED"] = enabled = enabled and _libc() is not None
     if enabled and hasattr(os, "register_at_fork"):  # the pool is used from now on
         os.register_at_fork(after_in_child=POOL.after_fork_in_child)

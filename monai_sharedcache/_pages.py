@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-Whether a mapping of an item file that the mapping pool of :py:mod:`monai.data._cache_pool` takes back is still
+Whether a mapping of an item file that the mapping pool of :py:mod:`monai_sharedcache._pool` takes back is still
 pristine: no page written since it was made.
 
 A mapping handed back to the pool must hold exactly the file's content: no page written (a private copy) since it
@@ -35,14 +35,9 @@ from typing import Any
 
 import numpy as np
 
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None  # type: ignore[assignment]
-
 _PAGE = mmap.PAGESIZE
 
-_UNMAP, _WATCHED = -1, -2  # states of a released mapping; a state >= 0 is how often it was kept before, unwatched
+UNMAP, WATCHED = -1, -2  # states of a released mapping; a state >= 0 is how often it was kept before, unwatched
 _PAGEMAP_SCAN = 0xC0606610  # _IOWR('f', 16, struct pm_scan_arg)
 _PAGE_IS_WRITTEN, _PAGE_IS_FILE, _PAGE_IS_PRESENT, _PAGE_IS_SWAPPED, _PAGE_IS_HUGE = (
     1 << 1,
@@ -57,8 +52,10 @@ _scan_works: bool | None = None  # None until the first call tells whether this 
 
 def _scan(addr: int, size: int, inverted: int, mask: int, anyof: int) -> bool | None:
     """Whether a page of ``[addr, addr+size)`` matches (``PAGEMAP_SCAN``, stops at the first); None if unknown."""
+    import fcntl  # here, not at import: the pool runs this only where SharedCacheStore.supported (fcntl) holds
+
     global _scan_works
-    if _scan_works is False or fcntl is None:
+    if _scan_works is False:
         return None
     region = ctypes.create_string_buffer(24)  # one struct page_region: start, end, categories
     vec = ctypes.addressof(region)
@@ -123,10 +120,12 @@ class _WriteWatch:
         return self._fd is not None and self._pid == os.getpid()
 
     def _open(self, libc: Any) -> bool:
+        import fcntl  # as in _scan
+
         if self.active() or self._failed:
             return not self._failed
         self._failed = True
-        if self._NR is None or fcntl is None or _scan_works is not True:
+        if self._NR is None or _scan_works is not True:
             return False
         flags = os.O_CLOEXEC | os.O_NONBLOCK | self._USER_MODE_ONLY
         fd = int(libc.syscall(self._NR, flags))
@@ -147,6 +146,8 @@ class _WriteWatch:
 
     def watch(self, libc: Any, addr: int, size: int) -> bool:
         """Bring in every page of the mapping and write-protect them; False if the kernel refuses."""
+        import fcntl  # as in _scan
+
         size = -(-size // _PAGE) * _PAGE  # whole pages, as the mapping
         if not self._open(libc) or libc.madvise(addr, size, self._MADV_POPULATE_READ) != 0 or self._fd is None:
             return False
@@ -163,7 +164,7 @@ class _WriteWatch:
         return found is not False
 
 
-_WATCH = _WriteWatch()
+WATCH = _WriteWatch()
 
 
 def _pristine(addr: int, size: int) -> bool:
@@ -187,14 +188,14 @@ def _pristine(addr: int, size: int) -> bool:
     return not bool(np.any(present_or_swapped & ~file_page))
 
 
-def _keep(libc: Any, addr: int, size: int, state: int) -> int:
-    """The state in which a released mapping is kept for reuse, or ``_UNMAP`` if a page was written or it is unknown."""
-    if state == _WATCHED and _WATCH.active():  # else a forked child: its pages lost their write-protect bits
-        return _UNMAP if _WATCH.written(addr, size) else _WATCHED
+def keep(libc: Any, addr: int, size: int, state: int) -> int:
+    """The state in which a released mapping is kept for reuse, or ``UNMAP`` if a page was written or it is unknown."""
+    if state == WATCHED and WATCH.active():  # else a forked child: its pages lost their write-protect bits
+        return UNMAP if WATCH.written(addr, size) else WATCHED
     if not _pristine(addr, size):
-        return _UNMAP
+        return UNMAP
     # reused before, so likely to be reused again; not on huge pages (a tmpfs mounted with huge=): their few page
     # table entries are cheap to check, and write-protecting them splits them into small pages that fault again
-    if state >= 1 and not _scan(addr, size, 0, _PAGE_IS_HUGE, 0) and _WATCH.watch(libc, addr, size):
-        return _WATCHED
+    if state >= 1 and not _scan(addr, size, 0, _PAGE_IS_HUGE, 0) and WATCH.watch(libc, addr, size):
+        return WATCHED
     return max(state, 0) + 1

@@ -30,8 +30,8 @@ from parameterized import parameterized
 
 import monai
 from monai.data import SharedCacheStore
-from monai.data import _cache_pages as cache_pages
-from monai.data import _cache_pool as cache_pool
+from monai_sharedcache import _pages as cache_pages
+from monai_sharedcache import _pool as cache_pool
 
 TIMEOUT = 120
 FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
@@ -43,7 +43,7 @@ OFF_SCRIPT = textwrap.dedent("""
     import gc, json, sys
     import torch
     from monai.data import SharedCacheStore
-    from monai.data._cache_pool import ENABLED, POOL
+    from monai_sharedcache._pool import ENABLED, POOL
     store = SharedCacheStore(root=sys.argv[1])
     ok, kept = [store.put("k", {"t": torch.arange(1 << 21), "s": "x"})], []
     t = store.get("k")["t"]
@@ -64,7 +64,7 @@ GC_SCRIPT = textwrap.dedent("""
     import gc, sys
     import numpy as np
     from monai.data import SharedCacheStore
-    from monai.data._cache_pool import POOL
+    from monai_sharedcache._pool import POOL
     POOL.MIN_SIZE = 0  # pool these small items too
     st = SharedCacheStore(root=sys.argv[1])
     st.put("k0", {"a": np.ones(2**17)})
@@ -199,7 +199,7 @@ class TestMappingPool(unittest.TestCase):
         for _ in range(2):  # kept after the first read, watched after the first reuse
             faults_of_full_read()
         states = [entry[3] for entry in cache_pool.POOL._order if entry[0][0] == item]
-        if states != [cache_pages._WATCHED]:
+        if states != [cache_pages.WATCHED]:
             self.skipTest(f"no write watch on {store.path}: kernel < 6.7, userfaultfd refused, or huge pages: {states}")
         self.assertGreater(fresh, 20)  # a fresh mapping faults (fault-around maps up to a folio at a time)
         self.assertLess(faults_of_full_read(), min(10, fresh // 2))  # a watched one: every page is in, no fault

@@ -1,0 +1,96 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The fork's store with the Linux fast path, as users reach it: from ``monai.data``, and from create_shared_cache."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import unittest
+
+import torch
+import torch.distributed as dist
+
+import monai_sharedcache
+from monai.data import CacheDataset, DataLoader, SharedCacheStore
+from monai.data import cache_store as core
+from monai.data import create_shared_cache
+from monai.transforms import Compose, Lambda
+from monai_sharedcache import _pool as pool
+from tests.test_utils import DistCall, DistTestCase
+
+needs_store = unittest.skipUnless(core.SharedCacheStore.supported, "SharedCacheStore needs fcntl")
+BIG = (512, 1024)  # 2 MiB of float32: a large item, mapped rather than read
+
+
+def _big(i: int) -> dict:
+    return {"i": i, "img": torch.full(BIG, float(i))}
+
+
+@needs_store
+class TestLayerStore(DistTestCase):
+    def setUp(self) -> None:
+        self.root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.root, True)
+
+    def test_names_of_monai_data_are_the_layers(self):
+        self.assertIs(SharedCacheStore, monai_sharedcache.SharedCacheStore)
+        self.assertTrue(issubclass(SharedCacheStore, core.SharedCacheStore))
+        store = create_shared_cache(root=self.root)  # no process group: a store of this process
+        self.addCleanup(store.close)
+        self.assertIs(type(store), SharedCacheStore)
+
+    def test_workers_read_through_the_pool(self):
+        """DataLoader workers receive the layer's store, read big items right, and the pool takes their mappings."""
+        store = SharedCacheStore(root=self.root)
+        self.addCleanup(store.close)
+        ds = CacheDataset(list(range(4)), Compose([Lambda(_big)]), runtime_cache=store)
+        for _ in range(2):  # the second epoch reads what the first stored
+            loader = DataLoader(ds, batch_size=1, num_workers=2, multiprocessing_context="spawn")
+            got = sorted((int(b["i"]), float(b["img"].mean()), tuple(b["img"].shape[1:])) for b in loader)
+            self.assertEqual(got, [(i, float(i), BIG) for i in range(4)])
+        self.assertEqual(store.stats()["filled"], 4)
+
+    @unittest.skipUnless(pool.ENABLED, "the Linux fast path is off here")
+    def test_a_mapping_is_reused(self):
+        store = SharedCacheStore(root=self.root)
+        self.addCleanup(store.close)
+        store.put("big", torch.full((2048, 2048), 3.0))  # 16 MiB: past the pool's smallest mapping
+        before, found = pool.POOL.take, []
+        pool.POOL.take = lambda ident: found.append(before(ident)) or found[-1]  # type: ignore[method-assign]
+        try:
+            for _ in range(3):
+                item = store.get("big")
+                self.assertEqual(float(item.sum()), 3.0 * 2048 * 2048)
+                del item
+        finally:
+            pool.POOL.take = before  # type: ignore[method-assign]
+        self.assertEqual(len(found), 3)
+        self.assertTrue(any(found), "no mapping of an earlier read was reused")
+
+    @DistCall(nproc_per_node=2, timeout=120)
+    def test_create_shared_cache_across_ranks(self):
+        """2 gloo ranks: one layer store per node, which both ranks use."""
+        store = create_shared_cache(root=self.root)
+        self.assertIs(type(store), monai_sharedcache.SharedCacheStore)
+        if dist.get_rank() == 0:
+            store.put("big", _big(7))
+        dist.barrier()
+        self.assertEqual(float(store.get("big")["img"].mean()), 7.0)
+        paths = [None, None]
+        dist.all_gather_object(paths, store.path)
+        self.assertEqual(paths[0], paths[1])
+        dist.barrier()
+        store.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
