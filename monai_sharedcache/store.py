@@ -10,9 +10,11 @@
 # limitations under the License.
 """
 The fork's :py:class:`SharedCacheStore`: the core's store (:py:class:`monai.data.cache_store.SharedCacheStore`) with
-the Linux fast path of :py:mod:`monai_sharedcache._pool`, which reuses the private mapping of an unchanged item file
-with its page tables, so that a hit of a large item takes no page fault. It changes nothing else: where the fast path
-is off (not Linux, no libc, ``MONAI_CACHE_FAST_PATH=0``), it reads as the core's store does.
+- the Linux fast path of :py:mod:`monai_sharedcache._pool`, which reuses the private mapping of an unchanged item file
+  with its page tables, so that a hit of a large item takes no page fault; where it is off (not Linux, no libc,
+  ``MONAI_CACHE_FAST_PATH=0``), it reads as the core's store does;
+- on a memory-backed file system, the room that the memory limit of this process's cgroup leaves
+  (:py:mod:`monai_sharedcache._memory`), which the reserve is kept of when it is less than the file system's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 from monai.data import cache_store, shared_cache
+from monai_sharedcache import _memory as memory
 from monai_sharedcache import _pool as pool
 
 __all__ = ["SharedCacheStore", "create_shared_cache"]
@@ -41,11 +44,22 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             ds = CacheDataset(data, transform, runtime_cache=store)
     """
 
+    _memory: bool | None = None  # whether its items are memory of this process's cgroup (tmpfs)
+
     def map_item(self, fd: int, st: os.stat_result, name: str) -> memoryview:
         if not pool.ENABLED:
             return super().map_item(fd, st, name)
         ident = (os.path.join(self.path, name), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         return pool.map_private(fd, st.st_size, ident)
+
+    def free_space(self) -> tuple[int, int] | None:
+        space = super().free_space()
+        if self._memory is None:  # decided once per process and store: a store does not move
+            self._memory = memory.fs_type(self.path) in memory.MEMORY_FS
+        room = memory.cgroup_room() if self._memory else None
+        if room is not None and (space is None or room[1] < space[0]):  # the container's memory is the shorter
+            return room[1], room[0]
+        return space
 
     def discard(self, keys: Iterable[str]) -> None:
         keys = list(keys)

@@ -193,41 +193,6 @@ class TestBudget(unittest.TestCase):
         )
 
     @parameterized.expand(
-        [
-            (
-                "v2",
-                "0::/pod/ctr",
-                {"pod/memory.max": 64 << 20, "pod/memory.current": 40 << 20, "pod/ctr/memory.max": "max"},
-            ),
-            (
-                "v1",
-                "7:memory:/pod/ctr",
-                {"memory/pod/memory.limit_in_bytes": 64 << 20, "memory/pod/memory.usage_in_bytes": 40 << 20},
-            ),
-        ]
-    )
-    def test_memory_limit_of_the_cgroup(self, _, proc, files):
-        if budget.locks.fs_type("/dev/shm") not in ("tmpfs", "ramfs"):
-            self.skipTest("needs a memory-backed /dev/shm (tmpfs)")
-        fake = tempfile.mkdtemp()  # a cgroup tree: the pod limited to 64 MiB, of which 40 are used
-        self.addCleanup(shutil.rmtree, fake, True)
-        with open(os.path.join(fake, "cgroup"), "w") as f:
-            f.write("1:cpu:/pod\n" + proc + "\n")
-        for name, value in files.items():
-            os.makedirs(os.path.dirname(os.path.join(fake, name)), exist_ok=True)
-            with open(os.path.join(fake, name), "w") as f:
-                f.write(f"{value}\n")
-        shm = tempfile.mkdtemp(dir="/dev/shm")  # far more free than the cgroup leaves
-        self.addCleanup(shutil.rmtree, shm, True)
-        with mock.patch.multiple(budget, _PROC_CGROUP=os.path.join(fake, "cgroup"), _CGROUP_FS=fake):
-            self.assertEqual(budget.cgroup_room(), (64 << 20, 24 << 20))
-            store = SharedCacheStore(root=shm, reserve=16 << 20)
-            self.addCleanup(store.close)
-            self.assertTrue(store.put("fits", np.ones((4 << 20) // 8)))  # 24 - 4 MiB >= 16 MiB
-            message = self.refuse(store, np.ones((12 << 20) // 8))  # 24 - 12 MiB < 16 MiB
-        self.assertIn("the memory limit of this process's cgroup leaves 24 MiB free of 64 MiB", message)
-
-    @parameterized.expand(
         [("full", errno.ENOSPC, budget.Budget, "create"), ("read_only", errno.EROFS, tempfile, "mkdtemp")]
     )
     def test_no_room_to_make_a_store(self, _, code, where, what):

@@ -25,7 +25,6 @@ import torch
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader, MetaTensor
-from monai.data import _cache_budget as budget
 from monai.data import _cache_format as fmt
 from monai.data.cache_store import SharedCacheStore
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
@@ -139,7 +138,7 @@ class TestProcessMode(unittest.TestCase):
                         pass
             return mock.Mock(f_bavail=(41 * MIB - used) // 4096, f_blocks=64 * 256, f_frsize=4096)
 
-        with mock.patch("os.statvfs", statvfs), mock.patch.object(budget, "cgroup_room", return_value=None):
+        with mock.patch("os.statvfs", statvfs):
             ds = CacheDataset(list(range(8)), Compose([Load(self.log, MIB), AddOne()]), runtime_cache="process")
             self.check_epochs(ds, FORK)
             free = statvfs(None).f_bavail * 4096

@@ -27,12 +27,6 @@ A writer that dies gives its reservation back through its temporary file, whose 
 cleaner of dead temporary files returns them. What a process killed at a worse moment leaves counted (an item removed,
 its bytes not yet given back) can only make the count too high, never too low: the store counts its items again when
 the count would refuse an item, and the count changed since it last did.
-
-On a memory-backed file system (``tmpfs``: ``/dev/shm``, or a memory-backed ``emptyDir``) the store's pages count
-against the memory limit of the process's cgroup, which the file system's free space does not show: a pod with
-``--ipc=host`` could be killed for memory while the store saw room. There the room is also what the cgroup's limit
-leaves (the least of the process's cgroup and its ancestors: v2 ``memory.max`` less ``memory.current``, v1
-``memory.limit_in_bytes`` less ``memory.usage_in_bytes``), and the reserve is kept below that limit too.
 """
 
 from __future__ import annotations
@@ -44,11 +38,6 @@ from typing import Any, Callable
 
 from monai.data import _cache_locks as locks
 
-try:
-    import fcntl
-except ImportError:  # Windows: SharedCacheStore is not available, nothing here is called
-    fcntl = None  # type: ignore[assignment]
-
 ENV_RESERVE = "MONAI_CACHE_RESERVE_BYTES"  # the reserve of new stores, in bytes
 ENV_MAX_BYTES = "MONAI_CACHE_MAX_BYTES"  # the cap of new stores, in bytes
 BUDGET_FILE = ".budget"
@@ -56,8 +45,6 @@ USED_FILE = (
     ".used"  # the bytes (the writes under way included) and the number of the store's items, for all its processes
 )
 _USED = struct.Struct("<qq")
-_MEMORY_FS = ("tmpfs", "ramfs")  # file systems whose pages are memory of the processes' cgroups
-_PROC_CGROUP, _CGROUP_FS = "/proc/self/cgroup", "/sys/fs/cgroup"
 
 
 def default_reserve(total: int) -> int:
@@ -80,48 +67,12 @@ def env_bytes(name: str) -> int | None:
     return int(value)
 
 
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() and int(text) < 2**60 else None  # not "max", nor v1's "unlimited" (~2**63)
-
-
-def cgroup_room() -> tuple[int, int] | None:
-    """
-    The memory limit of this process's cgroup, or of the ancestor that leaves least, and what it leaves, in bytes;
-    ``None`` without a limit, or off Linux.
-    """
-    try:
-        with open(_PROC_CGROUP) as f:
-            entries = [line.split(":", 2) for line in f.read().splitlines() if line.count(":") >= 2]
-    except OSError:
-        return None
-    best: tuple[int, int] | None = None
-    for hierarchy, controllers, path in entries:
-        if hierarchy == "0" and not controllers:  # v2
-            base, names = _CGROUP_FS, ("memory.max", "memory.current")
-        elif "memory" in controllers.split(","):  # v1
-            base, names = os.path.join(_CGROUP_FS, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts), -1, -1):  # the cgroup, then each ancestor
-            where = os.path.join(base, *parts[:depth])
-            limit, used = _read_int(os.path.join(where, names[0])), _read_int(os.path.join(where, names[1]))
-            if limit is not None and used is not None and (best is None or limit - used < best[1]):
-                best = limit, max(0, limit - used)
-    return best
-
-
 class Budget:
     """The reserve and cap of one store, as its creator recorded them for all its users, and its count of bytes."""
 
     def __init__(self, d: Any, reserve: int | None = None, max_bytes: int | None = None) -> None:
         self.dir, self.reserve, self.max_bytes = d, reserve, max_bytes  # d: the store's directory (a Dir)
-        self.memory = locks.fs_type(d.path) in _MEMORY_FS  # its pages count against the cgroup's memory
+        self.space: Callable[[], tuple[int, int] | None] = self.statvfs  # the store's free_space
         self.recount: Callable[[], tuple[int, int]] | None = None  # the bytes of items and temporary files, items
         self._recounted: int | None = None  # the count of bytes that the last recount found
 
@@ -144,25 +95,27 @@ class Budget:
         except (OSError, ValueError, AttributeError):  # AttributeError: not a JSON object
             return cls(d)
 
+    def statvfs(self) -> tuple[int, int] | None:
+        """The bytes free (to this user) and in all on the store's file system; ``None`` if they cannot be told."""
+        try:
+            st = os.statvfs(self.dir.fd)
+        except (OSError, AttributeError):
+            return None
+        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
     def room_for(self, nbytes: int, made: Callable[[], object] | None = None) -> str | None:
         """
         ``None`` if an item of ``nbytes`` may be written, and its bytes are then counted; else why not. Once they are
         counted, and under the count's lock, ``made()`` makes the writer's temporary file, whose name holds them: so a
         recount finds the file of every writer that counted, and of no other.
         """
-        try:
-            st = os.statvfs(self.dir.fd)
-        except (OSError, AttributeError):
-            st = None  # the write itself will tell what is wrong
-        if st is not None:
-            free, total, what = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, "its file system has"
-            room = cgroup_room() if self.memory else None
-            if room is not None and room[1] < free:  # the container's memory is shorter than the file system
-                (total, free), what = room, "the memory limit of this process's cgroup leaves"
+        space = self.space()
+        if space is not None:  # else the write itself will tell what is wrong
+            free, total = space
             reserve = default_reserve(total) if self.reserve is None else self.reserve
             if free - nbytes < reserve:
                 return (
-                    f"{what} {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, and "
+                    f"{free / 2**20:.0f} MiB are free of {total / 2**20:.0f} MiB where its items count, and "
                     f"{reserve / 2**20:.0f} MiB are kept free for the DataLoader's shared memory (reserve)"
                 )
         used = self._update(nbytes, cap=self.max_bytes, made=made)[0]
@@ -203,7 +156,7 @@ class Budget:
         """
         fd = self.dir.open(USED_FILE, os.O_RDWR | os.O_CREAT)  # per call:
         try:  # threads too are kept apart by flock, which one descriptor shared by threads or a fork would not do
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            locks.lock(fd)
             data = os.pread(fd, _USED.size, 0)
             used, n = _USED.unpack(data) if len(data) == _USED.size else (0, 0)
             if (recount or len(data) not in (0, _USED.size)) and self.recount is not None:

@@ -34,7 +34,6 @@ FIELDS = ("hits", "misses", "computed", "refused")
 HITS, MISSES, COMPUTED, REFUSED = range(len(FIELDS))
 _SLOT = struct.Struct(f"<{len(FIELDS)}q")
 SLOTS_DIR = ".counters"
-locks.DIRS.add(SLOTS_DIR)  # removed with the store
 _MAX_SLOTS = 4096
 
 

@@ -38,7 +38,6 @@ ENV_ROOT = "MONAI_CACHE_ROOT"  # where new stores are created, instead of /dev/s
 PREFIX = "monai-cache-"
 LOCK_FILE = ".lock"
 MARK = ".monai-cache"  # written into every directory the store makes: no other directory is joined or removed
-NAMES, DIRS = {LOCK_FILE, MARK}, {".tmp"}  # what the store makes in its directory: all that it removes
 _PATIENCE = 0.25  # seconds a leaver waits for children forked just before to close their copy of its lock
 _POLL_MIN, _POLL_MAX = 0.001, 0.05
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -116,18 +115,18 @@ class Dir:
         with os.scandir(self.fd) as it:
             return [e.name for e in it]
 
-    def remove(self, every: bool = False) -> None:
-        """Remove what the store made here (:py:data:`NAMES`, ``*.item``, :py:data:`DIRS`; ``every`` file of one of
-        :py:data:`DIRS`), never more."""
+    def remove(self) -> None:
+        """Remove all that this directory holds, through its descriptor and following no link, then the directory:
+        only the store's processes (this user's) can write into a directory that it made and checked."""
         for name in self.names():
-            if name in DIRS:
+            try:
+                self.unlink(name)
+            except OSError:  # a directory (EISDIR; EPERM on macOS): its files too, if it is a private one
                 try:
-                    Dir(self.path, name, self).remove(every=True)  # its files are the store's
+                    Dir(self.path, name, self).remove()
                     os.rmdir(name, dir_fd=self.fd)  # through this directory, even if its path has moved
                 except OSError:
                     pass
-            elif every or name in NAMES or name.endswith(".item"):
-                unlink_quiet(name, self)
         try:  # the directory itself, if it is still at its path (rmdir removes only an empty directory)
             if not self.moved():
                 os.rmdir(self.path)

@@ -43,15 +43,13 @@ from monai.data import _cache_counters as counters
 from monai.data import _cache_format as fmt
 from monai.data import _cache_locks as locks
 
-try:
-    import fcntl
-except ImportError:  # Windows: SharedCacheStore is not available, nothing here is called
-    fcntl = None  # type: ignore[assignment]
-
 TMP = ".tmp"  # the store's temporary files
 LAYOUT = 1  # the version of the directory's layout, in the marker file
 _SESSION = ".session"  # its modification time is the start of the current session
 _EVICT = ".evict"  # held exclusively by the process that evicts
+# the files and directories that a persistent store makes besides its items, which check_files checks
+_OWN_FILES = (locks.LOCK_FILE, locks.MARK, locks.PERSISTENT, budget.BUDGET_FILE, budget.USED_FILE, _SESSION, _EVICT)
+_OWN_DIRS = (TMP, counters.SLOTS_DIR, ".notes")
 _WAIT = 10.0  # seconds to wait for the short exclusive locks of another process
 _TOUCH_NS = 1_000_000_000  # an access time is renewed at most once a second
 
@@ -159,12 +157,12 @@ def check_files(d: locks.Dir) -> None:
     checked when it was opened). No directory of items is listed: opening costs the same with any number of items.
     """
     entries = []
-    for name in sorted(locks.NAMES | locks.DIRS | {budget.BUDGET_FILE, _SESSION, _EVICT}):
+    for name in sorted(_OWN_FILES + _OWN_DIRS):
         try:
             entries.append((name, d.stat(name)))
         except FileNotFoundError:
             pass
-    for sub in [name for name, st in entries if name in locks.DIRS and stat.S_ISDIR(st.st_mode)]:
+    for sub in [name for name, st in entries if name in _OWN_DIRS and stat.S_ISDIR(st.st_mode)]:
         try:  # .tmp, .counters and .notes: a file per process
             at = locks.Dir(d.path, sub, d)
             entries += [(os.path.join(sub, name), at.stat(name)) for name in at.names()]
@@ -241,19 +239,6 @@ def open_dir(path: str) -> locks.Dir:
     return d
 
 
-def _lock(fd: int, how: int, timeout: float) -> bool:
-    """Take ``flock(fd, how)``, polling up to ``timeout`` seconds; whether it was taken."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(fd, how | fcntl.LOCK_NB)
-            return True
-        except (BlockingIOError, PermissionError):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-
-
 def join(d: locks.Dir, reserve: int | None = None, max_bytes: int | None = None) -> tuple[locks.Held, int]:
     """
     Participate in the persistent store ``d``: the lock held, and the start of the current session (in the file
@@ -263,7 +248,7 @@ def join(d: locks.Dir, reserve: int | None = None, max_bytes: int | None = None)
     """
     held = locks.Held(d.open(locks.LOCK_FILE, os.O_RDWR | os.O_CREAT))
     try:
-        if _lock(held.fd, fcntl.LOCK_EX, 0.0):  # no one else uses the store: a new session
+        if locks.lock(held.fd, True, 0.0):  # no one else uses the store: a new session
             write_budget(d, reserve, max_bytes)
             try:
                 slots = locks.Dir(d.path, counters.SLOTS_DIR, d)
@@ -277,7 +262,7 @@ def join(d: locks.Dir, reserve: int | None = None, max_bytes: int | None = None)
             _start_session(d)
         else:
             _tell_other_budget(d, reserve, max_bytes)
-        if not _lock(held.fd, fcntl.LOCK_SH, _WAIT):
+        if not locks.lock(held.fd, False, _WAIT):
             raise OSError(errno.EAGAIN, "another process holds the store's lock exclusively", d.path)
         try:
             start = d.stat(_SESSION).st_mtime_ns
@@ -370,7 +355,7 @@ def evict(d: locks.Dir, start: int, nbytes: int, budget_: Any) -> int | None:
     """
     held = locks.Held(d.open(_EVICT, os.O_RDWR | os.O_CREAT))
     try:
-        if not _lock(held.fd, fcntl.LOCK_EX, _WAIT):  # another process evicts for as long: let it
+        if not locks.lock(held.fd, True, _WAIT):  # another process evicts for as long: let it
             return 0
         items = _items(d)
         old = sorted(i for i in items if i[0] < start)  # least recently used first

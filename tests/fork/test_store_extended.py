@@ -486,6 +486,35 @@ class TestLifetime(StoreCase):
         self.assertFalse(os.path.exists(first.path))
         self.assertIsNone(copy.get("k"))
 
+    def test_last_user_removes_all_it_holds_and_follows_no_link(self) -> None:
+        """Everything in the store's directory goes with it (files and private directories of any name, those of the
+        layer too), through its descriptor: a link is removed, never followed; a directory open to others stays."""
+        outside = os.path.join(self.root, "outside")
+        os.mkdir(outside, 0o700)
+        with open(os.path.join(outside, "keep"), "w") as f:
+            f.write("mine")
+        store = self.new_store()
+        store.put("k", torch.ones(3))
+        os.mkdir(os.path.join(store.path, ".extra"), 0o700)
+        os.mkdir(os.path.join(store.path, ".extra", "deeper"), 0o700)
+        with open(os.path.join(store.path, ".extra", "deeper", "f"), "w") as f:
+            f.write("x")
+        os.symlink(outside, os.path.join(store.path, ".link"))
+        os.symlink(os.path.join(outside, "keep"), os.path.join(store.path, "keep.item"))
+        open_dir = os.path.join(store.path, ".open")
+        os.mkdir(open_dir)
+        os.chmod(open_dir, 0o777)  # not a directory of the store's own: neither listed nor removed
+        with open(os.path.join(open_dir, "theirs"), "w") as f:
+            f.write("y")
+        store.close()
+        self.assertEqual(os.listdir(outside), ["keep"])
+        self.assertEqual(sorted(os.listdir(store.path)), [".open"])  # the store's directory stays for what is left
+        self.assertEqual(os.listdir(open_dir), ["theirs"])
+        os.chmod(open_dir, 0o700)
+        os.remove(os.path.join(open_dir, "theirs"))
+        os.rmdir(open_dir)
+        os.rmdir(store.path)
+
     @skip_unless_fork
     def test_forked_child_does_not_keep_store(self) -> None:
         store = self.new_store()

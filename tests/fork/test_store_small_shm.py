@@ -65,49 +65,6 @@ if __name__ == "__main__":
 """
 
 
-# in a private mount namespace with a tmpfs on /sys/fs/cgroup: this process's memory cgroup (v1 and v2 alike, at the
-# paths /proc/self/cgroup gives) limited to 64 MiB, of which 40 are used, on a /dev/shm of 1 GiB
-CGROUP_SCRIPT = """
-import os
-import numpy as np
-from monai.data import SharedCacheStore
-
-for line in open("/proc/self/cgroup").read().splitlines():
-    hierarchy, controllers, path = line.split(":", 2)
-    if hierarchy == "0" and not controllers:
-        where, names = "/sys/fs/cgroup" + path, ("memory.max", "memory.current")
-    elif "memory" in controllers.split(","):
-        where, names = "/sys/fs/cgroup/memory" + path, ("memory.limit_in_bytes", "memory.usage_in_bytes")
-    else:
-        continue
-    os.makedirs(where, exist_ok=True)
-    for name, value in zip(names, (64 << 20, 40 << 20)):
-        with open(os.path.join(where, name), "w") as f:
-            f.write(str(value))
-store = SharedCacheStore(reserve=16 << 20)
-assert store.path.startswith("/dev/shm/"), store.path
-assert store.put("fits", np.ones((4 << 20) // 8))  # 24 MiB left by the cgroup, less 4, keeps the 16 MiB reserve
-assert not store.put("refused", np.ones((12 << 20) // 8))  # the file system has 1 GiB free: the cgroup refuses it
-print("ok", flush=True)
-"""
-
-
-@skip_unless_store
-@skip_unless_linux
-class TestCgroupLimit(unittest.TestCase):
-    """A memory-backed store keeps its reserve below the memory limit of its cgroup, not only of its file system."""
-
-    def test_faked_cgroup_limit_below_free_space(self):
-        reason = private_mount_namespace()
-        if reason:
-            self.skipTest(reason)
-        mount = "mount -t tmpfs -o size=1g tmpfs /dev/shm && mount -t tmpfs tmpfs /sys/fs/cgroup"
-        cmd = [*IN_PRIVATE_MOUNTS, f'{mount} && exec "$0" -c "$1"']
-        cmd += [sys.executable, CGROUP_SCRIPT]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV_DEFAULT_ROOT)
-        self.assertEqual((proc.returncode, proc.stdout.strip()), (0, "ok"), proc.stderr[-2000:])
-
-
 @skip_unless_store
 @skip_unless_linux
 class TestSmallDevShm(unittest.TestCase):
