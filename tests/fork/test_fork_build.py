@@ -252,6 +252,18 @@ class TestPRSeries(unittest.TestCase):
             for section in ("## Issues", "## What changes for users", "## Tests", "## Benchmark", "## Files"):
                 self.assertIn(section, md, st.name)
 
+    def test_toctree_context_comes_from_earlier_prs(self):
+        """A page that a diff of MONAI's index.rst shows as context was added there by an earlier PR of the series."""
+        added: set[str] = set()
+        for st in self.stages:
+            for name in (d for d in st.docs if d.startswith("patches/docs/")):
+                for fp in build.parse_patch((ROOT / name).read_text(), name):
+                    if fp.path == "docs/source/index.rst":
+                        for _, old, new in fp.hunks:
+                            self.assertLessEqual({ln.strip() for ln in old if "caching_" in ln}, added, name)
+                            added |= {ln.strip() for ln in new if "caching_" in ln}
+        self.assertIn("caching_keys", added)
+
     def test_a_docs_page_is_exported_as_its_pr_has_it(self):
         """A page that a later PR's docs diff changes is exported without that change: the two give the fork's page."""
         pages = {d: st for st in self.stages for d in st.docs if d.startswith("docs/source/") and d.endswith(".rst")}
