@@ -23,6 +23,7 @@ import tempfile
 import textwrap
 import threading
 import unittest
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -32,6 +33,9 @@ import monai
 from monai.data import SharedCacheStore
 from monai_sharedcache import _pages as cache_pages
 from monai_sharedcache import _pool as cache_pool
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fork"))
+from fork_utils import mapped_files  # noqa: E402
 
 TIMEOUT = 120
 FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
@@ -90,18 +94,6 @@ GC_SCRIPT = textwrap.dedent("""
     """)
 
 
-def _mapped_files(address: int) -> list[str]:
-    """The files mapped at ``address`` in this process (empty: nothing, or anonymous memory)."""
-    found = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi and len(fields) >= 6:
-                found.append(fields[5])
-    return found
-
-
 def _maps_of(path: str) -> list[str]:
     """The files under ``path`` mapped in this process, each once, with " (deleted)" if removed."""
     with open("/proc/self/maps") as f:
@@ -147,10 +139,10 @@ class TestMappingPool(unittest.TestCase):
         store.put("k", torch.arange(100_000))
         t = store.get("k")  # below the pool's minimum size: unmapped with its last view
         address = t.data_ptr()
-        self.assertEqual(_mapped_files(address), [item])
+        self.assertEqual(mapped_files(address), [item])
         del t
         gc.collect()
-        self.assertNotIn(item, _mapped_files(address))
+        self.assertNotIn(item, mapped_files(address))
         self.pool_everything()
         t = store.get("k")
         address = t.data_ptr()
@@ -162,7 +154,7 @@ class TestMappingPool(unittest.TestCase):
         t[5] = -7  # written: this mapping must never be handed to another reader
         del t
         gc.collect()
-        self.assertNotIn(item, _mapped_files(address))
+        self.assertNotIn(item, mapped_files(address))
         t = store.get("k")
         self.assertTrue(torch.equal(t, torch.arange(100_000)))
         other = store.get("k")  # a second reader while the first is alive gets its own mapping
@@ -171,7 +163,7 @@ class TestMappingPool(unittest.TestCase):
         address = t.data_ptr()
         del t, other
         gc.collect()
-        self.assertNotIn(item, _mapped_files(address))
+        self.assertNotIn(item, mapped_files(address))
         self.assertEqual(int(store.get("k")[3]), 6)
 
     def test_watched_mapping_takes_no_fault_and_a_written_one_goes(self):
@@ -208,7 +200,7 @@ class TestMappingPool(unittest.TestCase):
         t[n - 1] = -7  # written: this mapping must never be handed to another reader
         del t
         gc.collect()
-        self.assertNotIn(item, _mapped_files(address))
+        self.assertNotIn(item, mapped_files(address))
         t = store.get("k")
         self.assertTrue(torch.equal(t, torch.arange(n)))
         t[3] = 0  # the first page written of a fresh mapping is caught by the category check too
