@@ -62,8 +62,9 @@ from monai.transforms import Compose, Lambda
 ds = CacheDataset([np.zeros(4)] * 4, Compose([Lambda(lambda x: x)]), progress=False)
 [ds[i] for i in range(4)]
 pool = sys.modules.get("monai_sharedcache._pool")  # the fork's layer, not imported before a store is made
-hooks = int(bool(_cache_locks._HOOKED)) + int(bool(_cache_counters._HOOKED)) + int("ENABLED" in vars(pool or sys))
-print(json.dumps({"at_fork_hooks": hooks, "libc_loaded": bool(pool and pool._LIBC_LOADED)}))
+decided = pool is not None and "ENABLED" in vars(pool)
+hooks = int(bool(_cache_locks._HOOKED)) + int(bool(_cache_counters._HOOKED)) + int(decided)
+print(json.dumps({"at_fork_hooks": hooks, "libc_loaded": pool is not None and pool._LIBC_LOADED}))
 """
 
 

@@ -17,7 +17,8 @@ there, using only the core's public names; the core never imports it. The fork's
 ``from monai.data import SharedCacheStore`` is ``monai_sharedcache.SharedCacheStore``, and
 ``create_shared_cache`` makes stores of that class.
 
-- :py:mod:`monai_sharedcache.store`: the store with the Linux fast path (``_pool``, ``_pages``).
+- :py:mod:`monai_sharedcache.store`: the store with the Linux fast path (``_pool``, ``_pages``) and the cgroup's
+  memory limit (``_memory``).
 """
 
 from __future__ import annotations

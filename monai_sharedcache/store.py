@@ -32,7 +32,8 @@ __all__ = ["SharedCacheStore", "create_shared_cache"]
 
 class SharedCacheStore(cache_store.SharedCacheStore):
     """
-    :py:class:`monai.data.cache_store.SharedCacheStore`, whose reads of large items reuse their mappings on Linux.
+    :py:class:`monai.data.cache_store.SharedCacheStore`, whose reads of large items reuse their mappings on Linux,
+    and whose reserve counts the cgroup's memory limit on a memory-backed file system.
 
     Its arguments, pickling and guarantees are the core store's: see there. ``from monai.data import
     SharedCacheStore`` gives this class in the fork's wheel.
