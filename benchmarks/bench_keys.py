@@ -39,7 +39,7 @@ from pathlib import Path
 PIPELINE = """
 import time
 t0 = time.perf_counter()
-from monai.data._cache_keys import transforms_fingerprint
+from monai_sharedcache.keys import transforms_fingerprint
 from monai.transforms import CropForegroundd, EnsureChannelFirstd, LoadImaged, ScaleIntensityRanged, Spacingd
 keys = ["image", "label"]
 pipeline = [

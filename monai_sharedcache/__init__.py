@@ -13,16 +13,32 @@ The fork's own layer over MONAI's shared runtime cache, never proposed upstream.
 
 The core (``monai/data/cache_store.py``, ``monai/data/shared_cache.py`` and the patched ``CacheDataset``) is what
 the fork proposes to MONAI, as the pull requests of ``docs/pr/series.ini``. This package adds what does not belong
-there, using only the core's public names; the core never imports it. The fork's ``monai.data`` gives its names:
-``from monai.data import SharedCacheStore`` is ``monai_sharedcache.SharedCacheStore``, and
-``create_shared_cache`` makes stores of that class.
+there, using only the core's public names; the core never imports it. The fork's own patches of upstream files
+(``patches/fork/``) wire it in: ``from monai.data import SharedCacheStore`` is ``monai_sharedcache.SharedCacheStore``,
+``create_shared_cache`` makes stores of that class, and ``CacheDataset`` keys its runtime cache by
+:py:mod:`monai_sharedcache.keys`.
 
-- :py:mod:`monai_sharedcache.store`: the store with the Linux fast path (``_pool``, ``_pages``) and the cgroup's
-  memory limit (``_memory``).
+- :py:mod:`monai_sharedcache.store`: the store with the Linux fast path (``_pool``, ``_pages``), the cgroup's
+  memory limit (``_memory``), and the notes and records that the keys keep in it.
+- :py:mod:`monai_sharedcache.keys`: keys that see code, files and state; digests of files kept across runs.
+
+Each name is imported at its first use, so that the keys do not load the store.
 """
 
 from __future__ import annotations
 
-from monai_sharedcache.store import SharedCacheStore, create_shared_cache
+from typing import Any
 
-__all__ = ["SharedCacheStore", "create_shared_cache"]
+__all__ = ["SharedCacheStore", "create_shared_cache", "transforms_hashing"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("SharedCacheStore", "create_shared_cache"):
+        from monai_sharedcache import store
+
+        return getattr(store, name)
+    if name == "transforms_hashing":
+        from monai_sharedcache import keys
+
+        return keys.transforms_hashing
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,12 +14,17 @@ The fork's :py:class:`SharedCacheStore`: the core's store (:py:class:`monai.data
   with its page tables, so that a hit of a large item takes no page fault; where it is off (not Linux, no libc,
   ``MONAI_CACHE_FAST_PATH=0``), it reads as the core's store does;
 - on a memory-backed file system, the room that the memory limit of this process's cgroup leaves
-  (:py:mod:`monai_sharedcache._memory`), which the reserve is kept of when it is less than the file system's.
+  (:py:mod:`monai_sharedcache._memory`), which the reserve is kept of when it is less than the file system's;
+- small notes that its processes keep for each other (which cached transforms cache which inputs), and records kept
+  across the runs of a persistent store (the digests of input files), which the fork's keys
+  (:py:mod:`monai_sharedcache.keys`) keep there: JSON files in its own directory ``.notes``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -28,6 +33,10 @@ from monai_sharedcache import _memory as memory
 from monai_sharedcache import _pool as pool
 
 __all__ = ["SharedCacheStore", "create_shared_cache"]
+
+_NOTES = ".notes"  # the store's own directory of notes and records (see add_note and keep)
+_KEPT = "kept-"  # the names of the records kept across runs
+_NAME = re.compile(r"[0-9A-Za-z_-]{1,128}")
 
 
 class SharedCacheStore(cache_store.SharedCacheStore):
@@ -78,6 +87,92 @@ class SharedCacheStore(cache_store.SharedCacheStore):
 
     def _purge(self) -> None:
         pool.POOL.purge(os.path.join(self.path, ""))
+
+    def add_note(self, name: str, note: Any) -> bool:
+        """
+        Keep ``note`` (JSON) under ``name`` for the other processes of the store, unless a note of that name is kept
+        already; whether this call kept it. A note is advice: a store that is gone keeps none. The fork's
+        ``CacheDataset`` notes with which cached transforms each process caches its inputs.
+
+        Raises:
+            ValueError: ``name`` is not 1 to 128 letters, digits, ``_`` or ``-``.
+        """
+        _check(name)
+        data = json.dumps(note).encode()  # before the file is made: no note is left half written by a TypeError
+        try:
+            fd = self._notes().open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except OSError:  # kept already, or the store is gone
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+
+    def notes(self, prefix: str = "") -> dict[str, Any]:
+        """The notes kept by :py:meth:`add_note` under names that start with ``prefix`` (none that is being written)."""
+        found: dict[str, Any] = {}
+        try:
+            at = self._notes()
+            names = [name for name in at.names() if name.startswith(prefix) and _NAME.fullmatch(name)]
+        except OSError:
+            return found
+        for name in names:
+            try:
+                read = at.read_checked(name)
+                if read is not None:
+                    found[name] = json.loads(read[0])
+            except (OSError, ValueError):  # gone, or being written: no note
+                pass
+        return found
+
+    def discard_note(self, name: str) -> None:
+        """Remove the note ``name`` of :py:meth:`add_note`, if kept."""
+        try:
+            _check(name)
+            self._notes().unlink(name)
+        except (OSError, ValueError):
+            pass
+
+    def keep(self, name: str, value: Any) -> None:
+        """
+        Keep ``value`` (JSON) under ``name`` across the runs of a persistent store, in place of what was kept under
+        it; a store that is not persistent keeps nothing. A reader that meets a record being replaced finds nothing
+        kept (none, or not yet valid JSON): a record is read whole or not at all. The fork's ``CacheDataset``
+        keeps the digests of its input files there, so that a new run reads no unchanged file again.
+
+        Raises:
+            ValueError: ``name`` is not 1 to 123 letters, digits, ``_`` or ``-``.
+        """
+        _check(_KEPT + name)
+        data = json.dumps(value).encode()
+        if not self.persistent:
+            return
+        try:
+            at = self._notes()
+            try:  # made anew, never written through: what is there may be a link, or open to others
+                at.unlink(_KEPT + name)
+            except FileNotFoundError:
+                pass
+            with os.fdopen(at.open(_KEPT + name, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
+                f.write(data)
+        except OSError:  # a record is advice: the store goes on without it (another writer's may be there)
+            pass
+
+    def kept(self, name: str) -> Any:
+        """What :py:meth:`keep` kept under ``name``, in this run or an earlier one; ``None`` if nothing (or unreadable)."""
+        try:
+            _check(_KEPT + name)
+            read = self._notes().read_checked(_KEPT + name) if self.persistent else None
+            return None if read is None else json.loads(read[0])
+        except (OSError, ValueError):
+            return None
+
+    def _notes(self) -> Any:
+        return self.subdir(_NOTES)  # made, opened and checked by the core store, at every use: the store may be gone
+
+
+def _check(name: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"a note's name is 1 to 128 letters, digits, '_' or '-' (a record's: 123), got {name!r}.")
 
 
 def create_shared_cache(group: Any = None, **kwargs: Any) -> SharedCacheStore:

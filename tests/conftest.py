@@ -31,9 +31,9 @@ _EVERY_MODE = (
     "tests/fork/test_fork_guard.py",
     "tests/fork/test_conventions.py",
     "tests/layer/test_layering.py",  # the layering: reads sources, and imports monai in one interpreter
-    "tests/test_cachedataset_keys.py",  # keys: in-process, and interpreters started by subprocess
-    "tests/test_cachedataset_digests.py",  # interpreters started by subprocess, no DataLoader worker
-    "tests/fork/test_keys_extended.py",  # interpreters started by subprocess, no DataLoader worker
+    "tests/layer/test_keys.py",  # keys: in-process, and interpreters started by subprocess
+    "tests/layer/test_digests.py",  # interpreters started by subprocess, no DataLoader worker
+    "tests/layer/test_keys_extended.py",  # interpreters started by subprocess, no DataLoader worker
     "tests/fork/test_runtime_cache_extended.py::TestSizing::test_concurrent_resize",  # fork if it can; a ListProxy
 )
 _SPAWN = (

@@ -194,10 +194,10 @@ def ensure_tree(layout: bool) -> bool:
         build = [sys.executable, str(ROOT / "build_backend" / "monai_sharedcache_build.py"), "layout", "--if-stale"]
         if subprocess.run(build, cwd=str(ROOT)).returncode != 0:
             return False
-    # a tree of the fork: the overlay's modules and the patched utils (an upstream MONAI has none of them)
+    # a tree of the fork: the overlay's modules and the fork's layer (an upstream MONAI has none of them)
     data = TREE / "monai" / "data"
     fork = (data / "cache_store.py").is_file() and (data / "shared_cache.py").is_file()
-    return fork and "def transforms_hashing(" in (data / "utils.py").read_text(encoding="utf-8")
+    return fork and (TREE / "monai_sharedcache" / "keys.py").is_file()
 
 
 def main(argv: list[str] | None = None) -> int:

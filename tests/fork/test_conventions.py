@@ -62,7 +62,7 @@ class TestConventions(unittest.TestCase):
         self.assertEqual(bad, [])
 
     def test_patched_docstrings_too(self):
-        """The docstrings that the patches add to upstream files (CacheDataset's methods, transforms_hashing)."""
+        """The docstrings that the patches add to upstream files (CacheDataset's methods)."""
         tree = ROOT / "build" / "tree"
         if not (tree / "monai").is_dir():
             self.skipTest("no laid-out tree (./runtests.sh lays it out)")

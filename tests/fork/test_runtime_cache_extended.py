@@ -32,9 +32,8 @@ import torch.distributed as dist
 from fork_utils import CountedLoad, Load, RandAdd, Scale, executions
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, SmartCacheDataset
+from monai.data import CacheDataset, DataLoader, SmartCacheDataset, transforms_hashing
 from monai.data.dataset import _ListCache
-from monai.data.utils import transforms_hashing
 from monai.transforms import Compose, Lambda, Lambdad, RandomizableTransform
 
 TIMEOUT = 120.0  # seconds for any wait on another process

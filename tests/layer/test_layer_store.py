@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import unittest
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -75,6 +77,27 @@ class TestLayerStore(DistTestCase):
             pool.POOL.take = before  # type: ignore[method-assign]
         self.assertEqual(len(found), 3)
         self.assertTrue(any(found), "no mapping of an earlier read was reused")
+
+    def test_the_forks_keys_for_a_store_of_the_core(self):
+        """
+        A store of the core's class (as ``runtime_cache="process"`` makes) is keyed by the fork's keys too: a file
+        rewritten in place is recomputed at ``set_data`` with the same list. It keeps no notes: only the layer's does.
+        """
+        path = os.path.join(self.root, "img.txt")
+        Path(path).write_text("one")
+        load = Lambda(lambda p: Path(p).read_text())  # no state of its own: the same key for the same file
+        store = core.SharedCacheStore(root=self.root)
+        self.addCleanup(store.close)
+        ds = CacheDataset([path], Compose([load]), runtime_cache=store)
+        self.assertEqual((ds[0], store.stats()["filled"]), ("one", 1))
+        Path(path).write_text("two!")  # another size: other stat data
+        ds.set_data([path])
+        self.assertEqual((ds[0], ds[0]), ("two!", "two!"))
+        self.assertFalse(os.path.exists(os.path.join(store.path, ".notes")))
+        layer = SharedCacheStore(root=self.root)
+        self.addCleanup(layer.close)
+        CacheDataset([path], Compose([load]), runtime_cache=layer)
+        self.assertEqual(len(os.listdir(os.path.join(layer.path, ".notes"))), 1)  # its pipeline, noted
 
     @DistCall(nproc_per_node=2, timeout=120)
     def test_create_shared_cache_across_ranks(self):

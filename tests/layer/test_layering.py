@@ -10,8 +10,8 @@
 # limitations under the License.
 """
 The layering of the fork: the core (what the series proposes upstream) never imports the layer (``monai_sharedcache``),
-the layer uses only the core's public names, and the fork's ``monai.data`` gives the layer's names, imported only at
-their first use.
+the layer uses only the core's public names, and the fork's own patches of upstream files (``patches/fork/``) wire the
+layer in, importing it only at its first use.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TREE = ROOT / "build" / "tree"
 LAYER = "monai_sharedcache"
-WIRING = "monai/data/__init__.py"  # the fork's own patch (patches/fork/) gives the layer's names here, and only here
+sys.path.insert(0, str(ROOT / "build_backend"))
+import monai_sharedcache_build as build  # noqa: E402
 
 
 def imports(path: Path) -> list[tuple[str, str]]:
@@ -54,17 +55,54 @@ def layer_imports(path: Path) -> list[str]:
     return [f"{path}: {module}" for module, _ in imports(path) if module.split(".")[0] == LAYER]
 
 
+def module_level_layer_imports(path: Path) -> list[str]:
+    """The imports of the layer that run when ``path`` is imported (outside any function)."""
+    found, tree = [], ast.parse(path.read_text(encoding="utf-8"))
+    lazy = {
+        id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(f)
+    }
+    for node in ast.walk(tree):
+        if id(node) not in lazy and isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] == LAYER]
+    return found
+
+
+def wiring() -> set[str]:
+    """The upstream files that the fork's own patches change: the only ones that may import the layer."""
+    return {
+        fp.path for p in build.patch_files(ROOT / build.FORK_PATCHES) for fp in build.parse_patch(p.read_text(), p.name)
+    }
+
+
 class TestLayering(unittest.TestCase):
     def setUp(self) -> None:
         if not (TREE / LAYER).is_dir():
             self.skipTest("no laid-out tree (./runtests.sh lays it out)")
 
     def test_core_never_imports_the_layer(self):
-        """No module of ``monai`` imports ``monai_sharedcache``, but the fork's wiring of the names of ``monai.data``."""
-        files = sorted(p for p in (TREE / "monai").rglob("*.py") if p.relative_to(TREE).as_posix() != WIRING)
+        """
+        The series (its patches and new modules) never names the layer; in the fork's tree, only the files of the
+        fork's own patches import it, and only inside functions, so that ``import monai`` does not load it.
+        """
+        series = list(build.patch_files(ROOT / build.PATCHES)) + sorted((ROOT / "monai").rglob("*.py"))
+        self.assertEqual([p.name for p in series if LAYER in p.read_text(encoding="utf-8")], [])
+        wired = wiring()
+        self.assertIn("monai/data/__init__.py", wired)
+        files = sorted(p for p in (TREE / "monai").rglob("*.py") if p.relative_to(TREE).as_posix() not in wired)
         self.assertGreater(len(files), 100)
         self.assertEqual([b for f in files for b in layer_imports(f)], [])
-        self.assertTrue(layer_imports(TREE / WIRING))  # the wiring is there, and the check sees it
+        for rel in sorted(wired):
+            self.assertTrue(layer_imports(TREE / rel), rel)  # the wiring is there, and the check sees it
+            self.assertEqual(module_level_layer_imports(TREE / rel), [])
+
+    def test_the_check_sees_an_import_at_module_level(self):
+        probe = ROOT / "build" / "probe_layering.py"
+        probe.write_text("import monai_sharedcache\n\n\ndef f():\n    from monai_sharedcache import keys\n")
+        try:
+            self.assertEqual(module_level_layer_imports(probe), ["probe_layering.py: monai_sharedcache"])
+        finally:
+            probe.unlink()
 
     def test_layer_uses_public_core_names_only(self):
         layer = sorted((ROOT / LAYER).rglob("*.py"))
@@ -83,6 +121,7 @@ class TestLayering(unittest.TestCase):
         """``import monai`` imports nothing of the layer; ``monai.data``'s names are then the layer's classes."""
         code = (
             "import sys, monai, monai.data\n"
+            "monai.data.CacheDataset([1, 2], monai.transforms.Compose([]))\n"  # an eager cache: no keys of the fork
             "before = 'monai_sharedcache' in sys.modules\n"
             "from monai.data import SharedCacheStore, create_shared_cache\n"
             "import monai_sharedcache\n"

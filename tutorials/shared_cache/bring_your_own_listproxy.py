@@ -88,7 +88,7 @@ def main() -> None:
         torch.multiprocessing.spawn(rank_main, args=(WORLD_SIZE, tmp, cache), nprocs=WORLD_SIZE)
 
         # the parent sees what the ranks cached: one (key, item) tuple per slot, the key being
-        # "<hash_func of the input>-<transforms_hashing of the cached transforms>"
+        # "<hash_func of the input>-<hash_transform of the cached transforms>"
         entries = list(cache)
         assert len(entries) == 16 and all(isinstance(e, tuple) and len(e) == 2 for e in entries)
         assert [item["id"] for _, item in entries] == list(range(16))

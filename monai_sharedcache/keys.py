@@ -9,7 +9,9 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-What counts as the same item: the keys under which a runtime cache of ``CacheDataset`` keeps its items.
+What counts as the same item in the fork: the keys under which a runtime cache of ``CacheDataset`` keeps its items.
+The core keys an item by ``hash_func`` of its input and ``hash_transform`` of the cached transforms; the fork's
+``CacheDataset`` (its patch ``patches/fork/fork-0002``) keys it by this module instead.
 
 A cached item is what the cached (deterministic) transforms make of one input. A cache that other processes fill or
 that outlives the run (a ``ListProxy`` of DDP ranks, a ``SharedCacheStore``, a persistent one) must never serve an
@@ -27,10 +29,14 @@ so a file rewritten in place, or the same relative name in another directory, ke
   that pickle cannot store makes the fingerprint private to its process (``Fingerprint.private`` names it).
 - :py:func:`stamp_files` replaces, in a data entry, each string or path that names an existing regular file by its
   absolute path and stat data, as git's index keeps it: one ``stat`` per name, no byte read, no directory walked.
+  For a key kept across runs, :py:func:`kept_digests` stamps a file by a digest of its content instead, kept with its
+  stat data in a persistent store, so that a later run reads only the files whose stat data changed
+  (:py:func:`file_digest`; a file modified less than ``RACY_SECONDS`` before it was hashed is hashed again).
 """
 
 from __future__ import annotations
 
+import collections.abc
 import copyreg
 import hashlib
 import io
@@ -42,20 +48,26 @@ import stat
 import sys
 import sysconfig
 import threading
+import time
 import types
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, NamedTuple
+
+from monai.data.utils import pickle_hashing
 
 __all__ = [
     "STATELESS_TYPES",
+    "RACY_SECONDS",
     "PROCESS_TOKEN",
     "Fingerprint",
     "transforms_fingerprint",
     "member_digests",
 ]
-__all__ += ["pipeline_difference", "stamp_files", "library_version"]
+__all__ += ["pipeline_difference", "stamp_files", "library_version", "file_digest", "kept_digests"]
+__all__ += ["transforms_hashing", "fingerprint_of", "SlotKeys", "file_content", "Pipelines", "SAME"]
 
 # members whose state cannot change an item: they count by their type alone, so that processes still share items
 STATELESS_TYPES: tuple[type, ...] = (
@@ -75,6 +87,7 @@ try:  # multiprocessing's locks, conditions, events and semaphores (absent where
 except ImportError:
     pass
 
+RACY_SECONDS = 2.0  # a file modified this shortly before it was hashed may change again unseen: hashed again later
 _PROCESS_SALT = uuid.uuid4().bytes  # makes a fingerprint with a private member private to this process (and forks)
 PROCESS_TOKEN = hashlib.sha256(_PROCESS_SALT + b"token").hexdigest()[:16]  # names this process (and forks) in notes
 _MAIN = ("__main__", "__mp_main__")  # a script, as run and as a spawned child re-imports it
@@ -82,6 +95,8 @@ _PLAIN = (str, bytes, int, float, bool, type(None), tuple, list, dict, complex)
 # class members that cannot change an item: what pickle, abc and the compiler (line numbers) add
 _CLASS_NOISE = {"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__slotnames__", "_abc_impl"}
 _CLASS_NOISE |= {"__firstlineno__", "__static_attributes__"}
+_digests: dict[str, tuple[tuple[int, ...], bytes]] = {}  # path -> (stat data, content digest), of this process
+_digests_lock = threading.Lock()
 
 
 class Fingerprint(NamedTuple):
@@ -340,17 +355,93 @@ def pipeline_difference(mine: Sequence[Any], theirs: Sequence[Any]) -> str:
     return "; ".join(found[:3]) + ("; ..." if len(found) > 3 else "") if found else "the libraries' versions"
 
 
-def _stamp(name: str) -> tuple | None:
+def _stat_data(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _record(entry: Any) -> tuple[tuple[int, ...], bytes] | None:
+    """``[*stat data, hex digest]`` as :py:func:`file_digest` gives it to keep, or ``None`` where it is malformed."""
+    try:
+        data, digest = tuple(entry[:-1]), bytes.fromhex(entry[-1])
+    except (TypeError, ValueError, IndexError, KeyError):
+        return None
+    return (data, digest) if len(data) == 5 and all(type(v) is int for v in data) and len(digest) == 32 else None
+
+
+def file_digest(path: str, st: os.stat_result, earlier: Callable[[], Any] | None = None) -> tuple[bytes, list | None]:
+    """
+    The sha256 of the content of the regular file ``path``, whose stat data is ``st``. The file is read only where
+    neither this process nor ``earlier()`` (what an earlier run kept: ``[*stat data, hex digest]``) has its digest for
+    the same stat data (device, inode, size, modification and change times), as git's index does.
+
+    Args:
+        path: an absolute path.
+        st: its ``os.stat``.
+        earlier: called only where this process has no digest of the file.
+
+    Returns:
+        the digest, and ``[*stat data, hex digest]`` to keep for a later run where the file was read now (``None``
+        where it was not, or where it was modified less than ``RACY_SECONDS`` before, so may change again unseen).
+    """
+    data = _stat_data(st)
+    with _digests_lock:
+        known = _digests.get(path)
+    if known is None and earlier is not None and (known := _record(earlier())) is not None and known[0] == data:
+        with _digests_lock:
+            _digests[path] = known
+    if known is not None and known[0] == data:
+        return known[1], None
+    started = time.time_ns()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+        after = os.fstat(f.fileno())  # the file that was read, whatever its name points to now
+    if _stat_data(after) != data:  # replaced or written while read: a digest of no version, never kept
+        return b"changed while read " + uuid.uuid4().bytes, None
+    if started - st.st_mtime_ns <= RACY_SECONDS * 1e9:
+        return digest.digest(), None
+    with _digests_lock:
+        _digests[path] = (data, digest.digest())
+    return digest.digest(), [*data, digest.hexdigest()]
+
+
+def _kept_digest(keeper: Any, path: str, st: os.stat_result) -> bytes:
+    name = "digest-" + hashlib.sha256(path.encode("utf-8", "surrogateescape")).hexdigest()[:40]
+    digest, record = file_digest(path, st, lambda: keeper.kept(name))
+    if record is not None:
+        keeper.keep(name, record)
+    return digest
+
+
+def kept_digests(keeper: Any) -> Callable[[str, os.stat_result], bytes]:
+    """
+    A ``content`` for :py:func:`stamp_files` whose digests outlive the process: ``keeper`` (a persistent
+    ``SharedCacheStore``) keeps each file's digest with its stat data, one small record per file, so that a later run
+    reads only the files whose stat data changed. It pickles with the keeper (for spawned DataLoader workers).
+    """
+    return partial(_kept_digest, keeper)
+
+
+def _stamp(name: str, content: Callable[[str, os.stat_result], bytes] | None) -> tuple | None:
     try:
         st = os.stat(name)
     except (OSError, ValueError):  # no such file, a name too long, a NUL: not a file name
         return None
-    if stat.S_ISREG(st.st_mode):  # not a directory (a label may name one), never walked: plain data
-        return ("file", os.path.abspath(name), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-    return None
+    if not stat.S_ISREG(st.st_mode):  # a directory (a label may name one), a device: plain data, never walked
+        return None
+    path = os.path.abspath(name)
+    if content is None:
+        return ("file", path, _stat_data(st))
+    try:
+        return ("file", path, content(path, st))
+    except OSError as err:  # unreadable: a stamp of no content, never the same twice
+        return ("unreadable", path, type(err).__name__, uuid.uuid4().bytes)
 
 
-def stamp_files(entry: Any, memo: dict | None = None) -> Any:
+def stamp_files(
+    entry: Any, memo: dict | None = None, content: Callable[[str, os.stat_result], bytes] | None = None
+) -> Any:
     """
     ``entry`` (nested dicts, lists and tuples) with each string or path-like that names an existing regular file
     replaced by ``("file", absolute path, stat data)`` (device, inode, size, modification and change times, as git's
@@ -359,6 +450,8 @@ def stamp_files(entry: Any, memo: dict | None = None) -> Any:
     Args:
         entry: a data entry, for example ``{"image": "img.nii.gz", "label": "seg.nii.gz", "id": 3}``.
         memo: the stamp of each name already stamped, kept between calls (a name is stat'ed once while it is kept).
+        content: if given, the stamp is ``content(path, stat)`` instead (a digest of the content, for keys that
+            outlive the stat data: see :py:func:`kept_digests`).
 
     Returns:
         the stamped entry, for a content key such as ``pickle_hashing(stamp_files(entry))``.
@@ -367,10 +460,145 @@ def stamp_files(entry: Any, memo: dict | None = None) -> Any:
     if isinstance(entry, (str, os.PathLike)):
         name = os.fspath(entry)
         if isinstance(name, str) and name not in memo:  # a bytes path is data
-            memo[name] = _stamp(name)
+            memo[name] = _stamp(name, content)
         return memo.get(name) or entry
     if isinstance(entry, Mapping):
-        return {k: stamp_files(v, memo) for k, v in entry.items()}
+        return {k: stamp_files(v, memo, content) for k, v in entry.items()}
     if isinstance(entry, (list, tuple)):
-        return type(entry)(stamp_files(v, memo) for v in entry) if type(entry) in (list, tuple) else entry
+        return type(entry)(stamp_files(v, memo, content) for v in entry) if type(entry) in (list, tuple) else entry
     return entry
+
+
+def transforms_hashing(transforms: Sequence) -> bytes | None:
+    """
+    A ``hash_transform`` for ``CacheDataset`` and ``PersistentDataset``: the digest of :py:func:`transforms_fingerprint`,
+    the same in the processes that build the same transforms from the same code, whatever ``PYTHONHASHSEED``. The
+    fork's ``CacheDataset`` keys its runtime cache so without one.
+
+    Args:
+        transforms: the transforms, for example those whose results a ``CacheDataset`` caches.
+
+    Returns:
+        the hash, or ``None`` if the transforms hold a member that pickle cannot store, or cannot be pickled at all.
+    """
+    fingerprint = transforms_fingerprint(transforms)
+    return None if fingerprint.private else fingerprint.digest.encode()
+
+
+def fingerprint_of(cached: Sequence[Any], stacklevel: int = 2) -> Fingerprint:
+    """:py:func:`transforms_fingerprint` of ``cached``, with one warning where a member makes it private to the process."""
+    fingerprint = transforms_fingerprint(cached)
+    if fingerprint.private:
+        warnings.warn(
+            f"CacheDataset: the cached transforms hold {fingerprint.private[0]}, which pickle cannot store, so "
+            "their items are neither shared with other processes nor kept across runs. Make it picklable (a "
+            "__getstate__ that leaves it out, if it cannot change an item), or pass hash_transform= with a "
+            "fingerprint of your own.",
+            stacklevel=stacklevel + 1,
+        )
+    return fingerprint
+
+
+class SlotKeys(collections.abc.Sequence):
+    """
+    The key of each slot of a runtime cache: ``entries[i]`` (``hash_func`` of the input, ``-``, the transforms'
+    fingerprint), or with ``files`` (``(data, indices, tag, content)`` for the default ``hash_func``) the key of the
+    input ``data[indices[i]]`` with its files stamped (:py:func:`stamp_files`), made when the slot is first needed,
+    so that a constructor or ``set_data`` reads no file.
+    """
+
+    def __init__(self, entries: list[str], files: tuple | None = None) -> None:
+        self.entries, self.files, self.stamps = entries, files, {}  # type: ignore[var-annotated]
+        self.known: list[str | None] = list(entries) if files is None else [None] * len(entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, slot):
+        if (key := self.known[slot]) is None:
+            data, indices, tag, content = self.files  # type: ignore[misc]
+            stamped = stamp_files(data[indices[slot]], self.stamps, content)
+            key = self.known[slot] = f"{pickle_hashing(stamped).decode()}-{tag}"
+        return key
+
+    def renewed(self) -> SlotKeys:
+        """The same slots, their files to be stamped anew (after a ``refresh``)."""
+        return SlotKeys(self.entries, self.files)
+
+
+def file_content(store: Any) -> Callable[[str, os.stat_result], bytes] | None:
+    """The ``content`` of :py:func:`stamp_files` for a runtime cache in ``store``: kept digests for a persistent store
+    that keeps records (the fork's), so that its keys outlive the stat data; else ``None``, the stat data."""
+    if store is None or not getattr(store, "persistent", False) or not callable(getattr(store, "kept", None)):
+        return None
+    return kept_digests(store)
+
+
+SAME = (
+    "Make the cached transforms the same in every process: a value that differs per rank (a device such as "
+    "cuda:{rank}, or a bound method of an object that holds the rank) belongs in a transform after the cached ones."
+)
+
+
+class Pipelines:
+    """
+    The notes of one dataset in a store of the fork (its ``add_note``): with which cached transforms it caches which
+    inputs, so that the first process that computes an item can tell, once, that other processes cache the same
+    inputs with other transforms (each item is then computed and stored once per pipeline). A store without notes
+    (the core's) or a persistent one (whose notes would outlive the run) is not noted in.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.on = callable(getattr(store, "add_note", None)) and not getattr(store, "persistent", False)
+        self.mine: dict[str, Any] | None = None  # the note of this dataset: its inputs and cached transforms
+        self.compared = -1  # the process that last compared it with the notes of other processes
+
+    def note(self, keys: Sequence[Any], tag: str, fingerprint: Fingerprint | None, cached: Sequence[Any]) -> None:
+        """Note the inputs (``hash_func`` of each) and the cached transforms (``tag``, and ``fingerprint`` unless a
+        ``hash_transform`` of the user's made the tag)."""
+        if not self.on or (fingerprint is not None and fingerprint.private):  # private: never shared
+            return
+        described = None  # what a user's hash_transform hashes cannot be told
+        if fingerprint is not None:
+            names = [f"transform {i - 1} ({type(t).__qualname__})" for i, t in enumerate(cached)]
+            names[0] = "Compose options"
+            described = [[n, d, member_digests(t)] for n, d, t in zip(names, fingerprint.parts, cached)]
+        inputs = hashlib.sha256("\n".join(sorted(map(str, keys))).encode()).hexdigest()[:32]
+        digest = hashlib.sha256(tag.encode()).hexdigest()[:32]
+        if self.mine is not None and (self.mine["inputs"], self.mine["tag"]) != (inputs, digest):
+            self.store.discard_note(f"p{self.mine['inputs']}-{self.mine['tag']}")  # what it cached before
+        self.mine = {"inputs": inputs, "tag": digest, "process": PROCESS_TOKEN, "transforms": described}
+        self.store.add_note(f"p{inputs}-{digest}", self.mine)
+        self.compared = -1
+
+    def computing(self, compute: Callable[[], Any]) -> Callable[[], Any]:
+        """``compute``, compared with the other processes' pipelines first if this process has not yet."""
+
+        def first_compared() -> Any:
+            if self.compared != os.getpid():
+                self.compare()
+            return compute()
+
+        return first_compared
+
+    def compare(self) -> None:
+        """Warn once if other processes cache the same inputs with other cached transforms."""
+        self.compared, mine = os.getpid(), self.mine
+        if mine is None:
+            return
+        others = [
+            note
+            for note in self.store.notes(f"p{mine['inputs']}-").values()
+            if isinstance(note, dict) and note.get("tag") != mine["tag"] and note.get("process") != mine["process"]
+        ]
+        if not others or not self.store.add_note(f"w{mine['inputs']}-{mine['tag']}", os.getpid()):
+            return  # the same everywhere, or told already in a process of this pipeline
+        theirs, what = others[0].get("transforms"), "unknown (hash_transform= gives the fingerprint)"
+        if isinstance(theirs, list) and mine["transforms"] is not None:
+            what = pipeline_difference(mine["transforms"], theirs)
+        warnings.warn(
+            f"CacheDataset: other processes of the store {self.store.path} cache the same inputs with other cached "
+            f"transforms, so each item is computed and stored once per pipeline. What differs: {what}. {SAME}",
+            stacklevel=6,
+        )

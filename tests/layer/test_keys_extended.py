@@ -9,8 +9,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-PR 11's keys across separate interpreter runs of one training script on a persistent store: every edit that can
-change an item (a module function, a method, a global constant, a default argument and a closure value in
+The fork's keys (``monai_sharedcache.keys``) across separate interpreter runs of one training script on a persistent
+store: every edit that can change an item (a module function, a method, a global constant, a default argument and a closure value in
 ``__main__``, a ``multiprocessing.Value``, a file rewritten in place) is recomputed, and a run where nothing changed
 (another ``PYTHONHASHSEED`` included) computes nothing; 2 gloo ranks with other hash seeds compute each item once,
 and 2 ranks whose pipelines differ in one member are each told which.
@@ -26,9 +26,12 @@ import sys
 import tempfile
 import time
 import unittest
+from pathlib import Path
 
 import numpy as np
-from fork_utils import TIMEOUT, skip_unless_store
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fork"))
+from fork_utils import TIMEOUT, skip_unless_store  # noqa: E402
 
 N = 4
 

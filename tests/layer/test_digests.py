@@ -24,7 +24,7 @@ import unittest
 import numpy as np
 
 from monai.data import SharedCacheStore
-from monai.data._cache_keys import file_digest
+from monai_sharedcache.keys import file_digest
 
 TIMEOUT = 120
 
@@ -33,7 +33,7 @@ TIMEOUT = 120
 RUN = """
 import builtins, json, sys
 import numpy as np
-import monai.data._cache_keys as keys
+import monai_sharedcache.keys as keys
 from monai.data import CacheDataset, SharedCacheStore
 from monai.transforms import Compose, Lambda
 

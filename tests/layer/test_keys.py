@@ -28,8 +28,8 @@ import torch
 from parameterized import parameterized
 
 from monai.data import CacheDataset, SharedCacheStore, transforms_hashing
-from monai.data._cache_keys import stamp_files, transforms_fingerprint
 from monai.transforms import Compose, Lambda, Transform
+from monai_sharedcache.keys import stamp_files, transforms_fingerprint
 
 TIMEOUT = 120
 
