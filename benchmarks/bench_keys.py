@@ -9,8 +9,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-What the keys of PR 11 cost (``PYTHONPATH=build/tree python benchmarks/bench_keys.py [--entries 10000] [--dir DIR]
-[--upstream DIR]``):
+What the fork's keys cost (its layer's ``monai_sharedcache.keys``; ``PYTHONPATH=build/tree python
+benchmarks/bench_keys.py [--entries 10000] [--dir DIR] [--upstream DIR]``):
 
 - the fingerprint of a typical MONAI pipeline (``LoadImaged``, ``EnsureChannelFirstd``, ``Spacingd``,
   ``ScaleIntensityRanged``, ``CropForegroundd``): the first one in a fresh interpreter, and again;
