@@ -37,8 +37,7 @@ if os.path.isdir(os.path.join(TREE, "monai")) and TREE not in sys.path:
 import monai  # noqa: E402
 
 # fails early if an upstream MONAI without the fork is imported
-from monai.data import SharedCacheStore, create_shared_cache  # noqa: E402
-from monai.data.utils import transforms_hashing  # noqa: E402
+from monai.data import SharedCacheStore, create_shared_cache, transforms_hashing  # noqa: E402
 
 # -- project ----------------------------------------------------------------------------------------------------------
 
