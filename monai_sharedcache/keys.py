@@ -471,7 +471,8 @@ def stamp_files(
 
 def transforms_hashing(transforms: Sequence) -> bytes | None:
     """
-    A ``hash_transform`` for ``CacheDataset`` and ``PersistentDataset``: the digest of :py:func:`transforms_fingerprint`,
+    A ``hash_transform`` for ``CacheDataset`` and ``PersistentDataset``: the digest of
+    :py:func:`transforms_fingerprint`,
     the same in the processes that build the same transforms from the same code, whatever ``PYTHONHASHSEED``. The
     fork's ``CacheDataset`` keys its runtime cache so without one.
 
@@ -486,7 +487,7 @@ def transforms_hashing(transforms: Sequence) -> bytes | None:
 
 
 def fingerprint_of(cached: Sequence[Any], stacklevel: int = 2) -> Fingerprint:
-    """:py:func:`transforms_fingerprint` of ``cached``, with one warning where a member makes it private to the process."""
+    """:py:func:`transforms_fingerprint` of ``cached``, with one warning where a member makes it private."""
     fingerprint = transforms_fingerprint(cached)
     if fingerprint.private:
         warnings.warn(

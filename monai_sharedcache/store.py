@@ -17,7 +17,7 @@ The fork's :py:class:`SharedCacheStore`: the core's store (:py:class:`monai.data
   (:py:mod:`monai_sharedcache._memory`), which the reserve is kept of when it is less than the file system's;
 - small notes that its processes keep for each other (which cached transforms cache which inputs), and records kept
   across the runs of a persistent store (the digests of input files), which the fork's keys
-  (:py:mod:`monai_sharedcache.keys`) keep there: JSON files in its own directory ``.notes``.
+  (:py:mod:`monai_sharedcache.keys`) keep there: JSON files in its own directories ``.notes`` and ``.kept``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -34,8 +35,8 @@ from monai_sharedcache import _pool as pool
 
 __all__ = ["SharedCacheStore", "create_shared_cache"]
 
-_NOTES = ".notes"  # the store's own directory of notes and records (see add_note and keep)
-_KEPT = "kept-"  # the names of the records kept across runs
+_NOTES = ".notes"  # the store's own directories: of the notes of its processes (add_note), and of
+_KEPT = ".kept"  # the records that a persistent store keeps across runs (keep)
 _NAME = re.compile(r"[0-9A-Za-z_-]{1,128}")
 
 
@@ -91,27 +92,36 @@ class SharedCacheStore(cache_store.SharedCacheStore):
     def add_note(self, name: str, note: Any) -> bool:
         """
         Keep ``note`` (JSON) under ``name`` for the other processes of the store, unless a note of that name is kept
-        already; whether this call kept it. A note is advice: a store that is gone keeps none. The fork's
-        ``CacheDataset`` notes with which cached transforms each process caches its inputs.
+        already; whether this call kept it. A note is advice: a store that is gone keeps none, and a persistent store
+        none either (its notes would outlive the run). The fork's ``CacheDataset`` notes with which cached transforms
+        each process caches its inputs.
 
         Raises:
             ValueError: ``name`` is not 1 to 128 letters, digits, ``_`` or ``-``.
+            TypeError: JSON cannot store ``note``.
         """
         _check(name)
         data = json.dumps(note).encode()  # before the file is made: no note is left half written by a TypeError
+        if self.persistent:
+            return False
         try:
-            fd = self._notes().open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            at = self.subdir(_NOTES)
+            fd = at.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except OSError:  # kept already, or the store is gone
             return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        except OSError:  # a full file system: no half note left to block the name
+            _unlink(at, name)
+            return False
         return True
 
     def notes(self, prefix: str = "") -> dict[str, Any]:
         """The notes kept by :py:meth:`add_note` under names that start with ``prefix`` (none that is being written)."""
         found: dict[str, Any] = {}
         try:
-            at = self._notes()
+            at = self.subdir(_NOTES)
             names = [name for name in at.names() if name.startswith(prefix) and _NAME.fullmatch(name)]
         except OSError:
             return found
@@ -126,53 +136,60 @@ class SharedCacheStore(cache_store.SharedCacheStore):
 
     def discard_note(self, name: str) -> None:
         """Remove the note ``name`` of :py:meth:`add_note`, if kept."""
-        try:
-            _check(name)
-            self._notes().unlink(name)
-        except (OSError, ValueError):
-            pass
+        if _NAME.fullmatch(name) and not self.persistent:
+            try:
+                _unlink(self.subdir(_NOTES), name)
+            except OSError:
+                pass
 
     def keep(self, name: str, value: Any) -> None:
         """
         Keep ``value`` (JSON) under ``name`` across the runs of a persistent store, in place of what was kept under
-        it; a store that is not persistent keeps nothing. A reader that meets a record being replaced finds nothing
-        kept (none, or not yet valid JSON): a record is read whole or not at all. The fork's ``CacheDataset``
-        keeps the digests of its input files there, so that a new run reads no unchanged file again.
+        it, whole (a new file renamed over the old one); a store that is not persistent keeps nothing. The fork's
+        ``CacheDataset`` keeps the digests of its input files there, so that a new run reads no unchanged file again.
 
         Raises:
-            ValueError: ``name`` is not 1 to 123 letters, digits, ``_`` or ``-``.
+            ValueError: ``name`` is not 1 to 128 letters, digits, ``_`` or ``-``.
+            TypeError: JSON cannot store ``value``.
         """
-        _check(_KEPT + name)
+        _check(name)
         data = json.dumps(value).encode()
         if not self.persistent:
             return
+        new = f".new-{name}-{secrets.token_hex(8)}"  # never a record's name: a dot
         try:
-            at = self._notes()
-            try:  # made anew, never written through: what is there may be a link, or open to others
-                at.unlink(_KEPT + name)
-            except FileNotFoundError:
-                pass
-            with os.fdopen(at.open(_KEPT + name, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
-                f.write(data)
-        except OSError:  # a record is advice: the store goes on without it (another writer's may be there)
+            at = self.subdir(_KEPT)
+            try:
+                with os.fdopen(at.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
+                    f.write(data)
+                os.replace(new, name, src_dir_fd=at.fd, dst_dir_fd=at.fd)  # replaces a link, never writes through it
+            finally:
+                _unlink(at, new)
+        except OSError:  # a record is advice: the store goes on without it
             pass
 
     def kept(self, name: str) -> Any:
-        """What :py:meth:`keep` kept under ``name``, in this run or an earlier one; ``None`` if nothing (or unreadable)."""
+        """What :py:meth:`keep` kept under ``name``, in this run or an earlier one; ``None`` if nothing (or unreadable,
+        or a name that :py:meth:`keep` refuses)."""
+        if not self.persistent or not _NAME.fullmatch(name):
+            return None
         try:
-            _check(_KEPT + name)
-            read = self._notes().read_checked(_KEPT + name) if self.persistent else None
+            read = self.subdir(_KEPT).read_checked(name)
             return None if read is None else json.loads(read[0])
         except (OSError, ValueError):
             return None
 
-    def _notes(self) -> Any:
-        return self.subdir(_NOTES)  # made, opened and checked by the core store, at every use: the store may be gone
-
 
 def _check(name: str) -> None:
     if not _NAME.fullmatch(name):
-        raise ValueError(f"a note's name is 1 to 128 letters, digits, '_' or '-' (a record's: 123), got {name!r}.")
+        raise ValueError(f"a note's or record's name is 1 to 128 letters, digits, '_' or '-', got {name!r}.")
+
+
+def _unlink(at: Any, name: str) -> None:
+    try:
+        at.unlink(name)
+    except OSError:
+        pass
 
 
 def create_shared_cache(group: Any = None, **kwargs: Any) -> SharedCacheStore:

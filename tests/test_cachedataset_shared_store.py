@@ -120,6 +120,22 @@ class TestProcessMode(unittest.TestCase):
         self.assertEqual(_computed(self.log), sorted(list(range(4)) * 2))  # once before the refresh, once after
         self.assertEqual(store.get("other"), 1)
 
+    @needs_store
+    def test_a_subclass_keeps_its_own_files_in_a_checked_directory(self):
+        store = SharedCacheStore(root=self.root)
+        notes = store.subdir(".notes")  # made private, opened and checked; the same one again
+        self.assertEqual((os.lstat(notes.path).st_mode & 0o777, store.subdir(".notes").path), (0o700, notes.path))
+        os.symlink(self.tmp, os.path.join(store.path, ".link"))
+        with self.assertRaisesRegex(PermissionError, "symbolic link"):
+            store.subdir(".link")  # never followed
+        for bad in ("../x", "notes", ".a/b", ""):
+            with self.assertRaisesRegex(ValueError, "a dot, then"):
+                store.subdir(bad)
+        store.close()  # goes with the store
+        self.assertEqual(os.listdir(self.root), [])
+        with self.assertRaises(FileNotFoundError):
+            store.subdir(".notes")
+
     @unittest.skipIf(FORK is None, "the file system is faked in this process and its forked workers")
     @needs_store
     def test_docker_default_shm(self):

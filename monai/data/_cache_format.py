@@ -128,7 +128,11 @@ def read_file(d: Any, name: str, map_large: Callable[[int, os.stat_result, str],
     """
     A private, writable copy-on-write view of the file ``name`` in the store directory ``d`` (checked before a byte
     is read: see ``Dir.open_checked``; a large one mapped by ``map_large``), and its inode; no descriptor stays open.
-    ``PermissionError`` for a link, or a file that is not a regular one of this user that others cannot write.
+
+    Raises:
+        FileNotFoundError: there is no file at ``name`` (or it was replaced while it was mapped).
+        PermissionError: it is a link, or not a regular file of this user that others cannot write.
+        OSError: the file cannot be read or mapped.
     """
     found = d.open_checked_stat(name)  # one fstat: the check's
     if found is None:
@@ -148,8 +152,12 @@ def read_file(d: Any, name: str, map_large: Callable[[int, os.stat_result, str],
 
 
 def decode(buf: memoryview, key: str) -> Any:
-    """The item in the file content ``buf``, or ``MISS`` if the file holds another key; ``CorruptItemError`` if
-    ``buf`` is not a complete item of this format."""
+    """
+    The item in the file content ``buf``, or ``MISS`` if the file holds another key.
+
+    Raises:
+        CorruptItemError: ``buf`` is not a complete item of this format.
+    """
     if buf.nbytes < _PREFIX.size:
         raise CorruptItemError("truncated header")
     magic, version, _, header_len, total, key_len, n_buffers, pickle_len = _PREFIX.unpack_from(buf, 0)

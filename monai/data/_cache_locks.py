@@ -210,8 +210,12 @@ def create(d: Dir) -> Held:
 
 
 def join(d: Dir) -> Held:
-    """Participate in the existing store ``d``; ``FileNotFoundError`` if it is gone, or being removed (only a remover
-    holds its lock exclusively)."""
+    """
+    Participate in the existing store ``d``.
+
+    Raises:
+        FileNotFoundError: the store is gone, or being removed (only a remover holds its lock exclusively).
+    """
     held = try_hold(LOCK_FILE, shared=True, at=d)
     if held is None:
         raise FileNotFoundError(errno.ENOENT, "the store is being removed", d.path)

@@ -17,7 +17,7 @@ names, marked by a ``.persistent`` file, which the cleaner of leftovers never re
 four things must hold across them:
 
 - **never stale**: an item's key includes the version of the item format and the MONAI version (see
-  :py:func:`version_tag`), besides the content key and the transforms' fingerprint that ``CacheDataset`` gives;
+  :py:func:`version_tag`), besides the content key and the transforms' hash that ``CacheDataset`` gives;
 - **never torn**: items are published by an atomic rename after an ``fsync`` (in the store), so a run killed at any
   moment, or a node that loses power, leaves only whole items and temporary files that the next run removes;
 - **bounded**: a *session* is a time during which someone uses the store: its first user (who takes ``.lock``
@@ -49,7 +49,7 @@ _SESSION = ".session"  # its modification time is the start of the current sessi
 _EVICT = ".evict"  # held exclusively by the process that evicts
 # the files and directories that a persistent store makes besides its items, which check_files checks
 _OWN_FILES = (locks.LOCK_FILE, locks.MARK, locks.PERSISTENT, budget.BUDGET_FILE, budget.USED_FILE, _SESSION, _EVICT)
-_OWN_DIRS = (TMP, counters.SLOTS_DIR, ".notes")
+_OWN_DIRS = (TMP, counters.SLOTS_DIR)
 _WAIT = 10.0  # seconds to wait for the short exclusive locks of another process
 _TOUCH_NS = 1_000_000_000  # an access time is renewed at most once a second
 
@@ -163,7 +163,7 @@ def check_files(d: locks.Dir) -> None:
         except FileNotFoundError:
             pass
     for sub in [name for name, st in entries if name in _OWN_DIRS and stat.S_ISDIR(st.st_mode)]:
-        try:  # .tmp, .counters and .notes: a file per process
+        try:  # .tmp and .counters: a file per writer or process
             at = locks.Dir(d.path, sub, d)
             entries += [(os.path.join(sub, name), at.stat(name)) for name in at.names()]
         except FileNotFoundError:

@@ -132,9 +132,9 @@ class SharedCacheStore:
     def _setup(self, path: str, d: locks.Dir | None) -> None:
         """Set the store up on its directory ``d``, opened and checked; ``None``: gone, or not to be used."""
         self._dir = cast(locks.Dir, d)  # None only for a store that is gone, which never uses it
-        self._path, self._ident = path, (0, 0) if d is None else (d.ident.st_dev, d.ident.st_ino)
+        self._path, self._tmp = path, cast(locks.Dir, None if d is None else locks.Dir(path, _TMP, d))
+        self._ident = (0, 0) if d is None else (d.ident.st_dev, d.ident.st_ino)  # what unpickling checks
         self._gone, self._writable = d is None, True
-        self._tmp = cast(locks.Dir, None if d is None else self.subdir(_TMP))
         self._warned: set[tuple[int, str]] = set()  # (pid, what): each process warns once per store
         self._finalizer: weakref.finalize | None = None
 
@@ -159,8 +159,10 @@ class SharedCacheStore:
         return default if item is fmt.MISS else item
 
     def put(self, key: str, item: Any) -> bool:
-        """Store ``item`` under ``key``, atomically; whether it was stored: not after a fault, nor an item that pickle
-        cannot store or that holds a tensor off the CPU (one warning says how to keep such items cached)."""
+        """
+        Store ``item`` under ``key``, atomically; whether it was stored: not after a fault, nor an item that pickle
+        cannot store or that holds a tensor off the CPU (one warning says how to keep such items cached).
+        """
         if self._gone or not self._writable:
             return False
         try:
@@ -206,17 +208,6 @@ class SharedCacheStore:
         except RuntimeError as err:  # truncated meanwhile, or the mapping failed
             raise OSError(errno.EIO, str(err), name) from err
         return memoryview(cast(Any, torch.empty(0, dtype=torch.uint8).set_(cast(Any, storage)).numpy()))
-
-    def subdir(self, name: str) -> locks.Dir:
-        """The store's own directory ``name`` in its directory (made if missing, opened and checked as the store's), for
-        what the store or a subclass keeps next to the items; it goes with the store. ``OSError`` if it is gone."""
-        if self._gone:
-            raise FileNotFoundError(errno.ENOENT, "the store is closed or gone", self._path)
-        try:
-            os.mkdir(name, 0o700, dir_fd=self._dir.fd)
-        except FileExistsError:
-            pass
-        return locks.Dir(self._path, name, self._dir)
 
     @staticmethod
     def _stem(key: str) -> str:

@@ -10,7 +10,7 @@
 # limitations under the License.
 """
 The store as another local user attacks it (the checked directory of PR 02, the cleaners of PR 03, the persistent
-store of PR 10). Needs root: a second, ordinary user (``monai-attacker``) is made for the tests and removed after them;
+store of PR 09). Needs root: a second, ordinary user (``monai-attacker``) is made for the tests and removed after them;
 its actions are shell commands run with ``setpriv``. The victim is this process (root's privileges do not matter
 here: the store checks who owns what, not who may access it).
 

@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-PR 10's persistent store across real runs: the same script run again as a new process (DataLoader workers, a
+PR 09's persistent store across real runs: the same script run again as a new process (DataLoader workers, a
 killed fill, a writer killed mid-write), two runs at once in separate PID namespaces, one directory given to two
 nodes, and a file of another user (root here).
 """

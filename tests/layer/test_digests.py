@@ -84,7 +84,7 @@ class TestDigestsAcrossRuns(unittest.TestCase):
         self.assertEqual((edited["reads"], edited["computed"], edited["values"]), (2, 1, [1.0, 11.0, 3.0]))
 
         name = hashlib.sha256(self.files[0].encode()).hexdigest()[:40]
-        record = os.path.join(self.store, ".notes", f"kept-digest-{name}")  # one record per file
+        record = os.path.join(self.store, ".kept", f"digest-{name}")  # one record per file
         with open(record, "w") as f:  # torn: that file is read again, the items are reused
             f.write("[1, 2")
         damaged = self.run_script()
@@ -95,7 +95,7 @@ class TestDigestsAcrossRuns(unittest.TestCase):
         self.addCleanup(store.close)
         store.keep("digests", {"a": 1})
         self.assertEqual(store.kept("digests"), {"a": 1})
-        record = os.path.join(self.store, ".notes", "kept-digests")
+        record = os.path.join(self.store, ".kept", "digests")
         os.chmod(record, 0o666)  # writable by others: not read
         self.assertIsNone(store.kept("digests"))
         planted = os.path.join(self.tmp, "planted.json")

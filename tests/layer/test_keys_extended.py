@@ -10,10 +10,10 @@
 # limitations under the License.
 """
 The fork's keys (``monai_sharedcache.keys``) across separate interpreter runs of one training script on a persistent
-store: every edit that can change an item (a module function, a method, a global constant, a default argument and a closure value in
-``__main__``, a ``multiprocessing.Value``, a file rewritten in place) is recomputed, and a run where nothing changed
-(another ``PYTHONHASHSEED`` included) computes nothing; 2 gloo ranks with other hash seeds compute each item once,
-and 2 ranks whose pipelines differ in one member are each told which.
+store: every edit that can change an item (a module function, a method, a global constant, a default argument and
+a closure value in ``__main__``, a ``multiprocessing.Value``, a file rewritten in place) is recomputed, and a run
+where nothing changed (another ``PYTHONHASHSEED`` included) computes nothing; 2 gloo ranks with other hash seeds
+compute each item once, and 2 ranks whose pipelines differ in one member are each told which.
 """
 
 from __future__ import annotations

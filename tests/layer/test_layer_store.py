@@ -12,11 +12,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
 import unittest
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -35,6 +38,22 @@ BIG = (512, 1024)  # 2 MiB of float32: a large item, mapped rather than read
 
 def _big(i: int) -> dict:
     return {"i": i, "img": torch.full(BIG, float(i))}
+
+
+class _Full:
+    """A file whose writes fail as on a full file system."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def __enter__(self) -> _Full:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.f.close()
+
+    def write(self, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
 
 
 @needs_store
@@ -98,6 +117,25 @@ class TestLayerStore(DistTestCase):
         self.addCleanup(layer.close)
         CacheDataset([path], Compose([load]), runtime_cache=layer)
         self.assertEqual(len(os.listdir(os.path.join(layer.path, ".notes"))), 1)  # its pipeline, noted
+
+    def test_notes_and_records_are_whole_or_none(self):
+        """A note that a full file system cut short leaves nothing to block its name; a record is replaced whole."""
+        store = SharedCacheStore(root=self.root)
+        self.addCleanup(store.close)
+        real = os.fdopen
+        with mock.patch.object(os, "fdopen", lambda fd, *a, **k: _Full(real(fd, *a, **k))):
+            self.assertFalse(store.add_note("n", {"a": 1}))
+        self.assertTrue(store.add_note("n", {"a": 2}))
+        self.assertEqual((store.notes(), store.kept("n")), ({"n": {"a": 2}}, None))  # a store for this run only
+        kept = SharedCacheStore(os.path.join(self.root, "kept"), persistent=True)
+        self.addCleanup(kept.close)
+        self.assertEqual((kept.add_note("n", 1), kept.notes()), (False, {}))  # notes would outlive the run
+        for value in ([1, 2], 12345):
+            kept.keep("r", value)
+            self.assertEqual(kept.kept("r"), value)
+        with mock.patch.object(os, "fdopen", lambda fd, *a, **k: _Full(real(fd, *a, **k))):
+            kept.keep("r", 99)
+        self.assertEqual((kept.kept("r"), os.listdir(os.path.join(kept.path, ".kept"))), (12345, ["r"]))
 
     @DistCall(nproc_per_node=2, timeout=120)
     def test_create_shared_cache_across_ranks(self):

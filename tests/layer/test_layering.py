@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import tempfile
 import unittest
 from pathlib import Path
 
@@ -97,12 +98,10 @@ class TestLayering(unittest.TestCase):
             self.assertEqual(module_level_layer_imports(TREE / rel), [])
 
     def test_the_check_sees_an_import_at_module_level(self):
-        probe = ROOT / "build" / "probe_layering.py"
-        probe.write_text("import monai_sharedcache\n\n\ndef f():\n    from monai_sharedcache import keys\n")
-        try:
+        with tempfile.TemporaryDirectory() as tmp:
+            probe = Path(tmp, "probe_layering.py")
+            probe.write_text("import monai_sharedcache\n\n\ndef f():\n    from monai_sharedcache import keys\n")
             self.assertEqual(module_level_layer_imports(probe), ["probe_layering.py: monai_sharedcache"])
-        finally:
-            probe.unlink()
 
     def test_layer_uses_public_core_names_only(self):
         layer = sorted((ROOT / LAYER).rglob("*.py"))
@@ -110,12 +109,10 @@ class TestLayering(unittest.TestCase):
         self.assertEqual([b for f in layer for b in private_core_names(f)], [])
 
     def test_the_check_sees_a_private_name(self):
-        probe = ROOT / "build" / "probe_layering.py"
-        probe.write_text("from monai.data import _cache_locks\nfrom monai.data.cache_store import _attach\n")
-        try:
+        with tempfile.TemporaryDirectory() as tmp:
+            probe = Path(tmp, "probe_layering.py")
+            probe.write_text("from monai.data import _cache_locks\nfrom monai.data.cache_store import _attach\n")
             self.assertEqual(len(private_core_names(probe)), 2)
-        finally:
-            probe.unlink()
 
     def test_monai_data_gives_the_layers_names_at_first_use(self):
         """``import monai`` imports nothing of the layer; ``monai.data``'s names are then the layer's classes."""
