@@ -109,8 +109,6 @@ STORE_MODULES = (
     "cache_store.py",
     "_cache_format.py",
     "_cache_locks.py",
-    "_cache_budget.py",
-    "_cache_counters.py",
     "shared_cache.py",
     "dataset.py",
 )

@@ -57,13 +57,14 @@ import json
 import numpy as np
 import monai
 import sys
-from monai.data import CacheDataset, _cache_counters, _cache_locks
+from monai.data import CacheDataset, _cache_locks
 from monai.transforms import Compose, Lambda
 ds = CacheDataset([np.zeros(4)] * 4, Compose([Lambda(lambda x: x)]), progress=False)
 [ds[i] for i in range(4)]
 pool = sys.modules.get("monai_sharedcache._pool")  # the fork's layer, not imported before a store is made
 decided = pool is not None and "ENABLED" in vars(pool)
-hooks = int(bool(_cache_locks._HOOKED)) + int(bool(_cache_counters._HOOKED)) + int(decided)
+counts = "monai_sharedcache.counters" in sys.modules  # registers its hook when imported, at a first store
+hooks = int(bool(_cache_locks._HOOKED)) + int(counts) + int(decided)
 print(json.dumps({"at_fork_hooks": hooks, "libc_loaded": pool is not None and pool._LIBC_LOADED}))
 """
 

@@ -45,7 +45,7 @@ from pathlib import Path
 UPSTREAM_VERSION = "1.6.1"
 UPSTREAM_WHEEL = f"monai-{UPSTREAM_VERSION}-py3-none-any.whl"
 UPSTREAM_SHA256 = "dbd3b1dd309e752e0477ed73fde03b92f80ac74bfb8a8c4260f018b5d6ab2b0b"
-FORK_BUILD = 21
+FORK_BUILD = 22
 VERSION = f"{UPSTREAM_VERSION}+sharedcache.{FORK_BUILD}"
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -780,15 +780,25 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
     return written
 
 
+FORK_TUTORIALS = ("keep_across_runs.py",)  # recipes of the fork's layer (persistent stores): never exported
+
+
 def export_tutorials(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
-    """Copy the runnable recipes (``tutorials/``) into ``out_dir``, as a folder for MONAI's tutorials repository."""
+    """
+    Copy the runnable recipes (``tutorials/``) into ``out_dir``, as a folder for MONAI's tutorials repository, but
+    those of the fork's layer (``FORK_TUTORIALS``), and the lines of a README that name them.
+    """
     src = src_root / TUTORIALS
     written = []
     for f in sorted(src.rglob("*")):
-        if f.is_file() and "__pycache__" not in f.parts:
+        if f.is_file() and "__pycache__" not in f.parts and f.name not in FORK_TUTORIALS:
             dest = out_dir / f.relative_to(src)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, dest)
+            if f.suffix == ".md":
+                lines = f.read_text(encoding="utf-8").splitlines(keepends=True)
+                dest.write_text("".join(x for x in lines if not any(n in x for n in FORK_TUTORIALS)), encoding="utf-8")
+            else:
+                shutil.copyfile(f, dest)
             written.append(dest)
     return written
 

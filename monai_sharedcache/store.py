@@ -10,11 +10,17 @@
 # limitations under the License.
 """
 The fork's :py:class:`SharedCacheStore`: the core's store (:py:class:`monai.data.cache_store.SharedCacheStore`) with
+
 - the Linux fast path of :py:mod:`monai_sharedcache._pool`, which reuses the private mapping of an unchanged item file
   with its page tables, so that a hit of a large item takes no page fault; where it is off (not Linux, no libc,
   ``MONAI_CACHE_FAST_PATH=0``), it reads as the core's store does;
 - on a memory-backed file system, the room that the memory limit of this process's cgroup leaves
   (:py:mod:`monai_sharedcache._memory`), which the reserve is kept of when it is less than the file system's;
+- a cap on the store's size, ``max_bytes``, and a budget that the creator records for all users
+  (:py:mod:`monai_sharedcache.budget`);
+- ``persistent=True``: a store kept in a directory across runs (:py:mod:`monai_sharedcache.persist`);
+- statistics of hits, misses, computed and refused items, for all the processes of a store
+  (:py:mod:`monai_sharedcache.counters`);
 - small notes that its processes keep for each other (which cached transforms cache which inputs), and records kept
   across the runs of a persistent store (the digests of input files), which the fork's keys
   (:py:mod:`monai_sharedcache.keys`) keep there: JSON files in its own directories ``.notes`` and ``.kept``.
@@ -22,40 +28,248 @@ The fork's :py:class:`SharedCacheStore`: the core's store (:py:class:`monai.data
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import secrets
-from collections.abc import Iterable
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from monai.data import cache_store, shared_cache
+from monai_sharedcache import _flock
 from monai_sharedcache import _memory as memory
 from monai_sharedcache import _pool as pool
+from monai_sharedcache import budget, counters, persist
 
 __all__ = ["SharedCacheStore", "create_shared_cache"]
 
 _NOTES = ".notes"  # the store's own directories: of the notes of its processes (add_note), and of
 _KEPT = ".kept"  # the records that a persistent store keeps across runs (keep)
 _NAME = re.compile(r"[0-9A-Za-z_-]{1,128}")
+_NO_ROOM = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", -1)}  # a file system without room, or a quota
+_OWN = (
+    budget.BUDGET_FILE,
+    budget.USED_FILE,
+    budget.WRITES_DIR,
+    persist.SESSION,
+    persist.USERS,
+    ".evict",
+    counters.SLOTS_DIR,
+    _NOTES,
+    _KEPT,
+)
+_MISS = object()
+
+
+def _attach(core: Callable[..., Any], args: tuple, max_bytes: int | None, session: int | None) -> SharedCacheStore:
+    """Unpickle a store as the core does (without participating), then set the layer's part up."""
+    store = cast(SharedCacheStore, core(*args))
+    store._setup_layer(max_bytes, session)
+    return store
 
 
 class SharedCacheStore(cache_store.SharedCacheStore):
     """
     :py:class:`monai.data.cache_store.SharedCacheStore`, whose reads of large items reuse their mappings on Linux,
-    and whose reserve counts the cgroup's memory limit on a memory-backed file system.
+    whose reserve counts the cgroup's memory limit on a memory-backed file system, with a cap on its size, statistics,
+    and stores kept across runs.
 
-    Its arguments, pickling and guarantees are the core store's: see there. ``from monai.data import
-    SharedCacheStore`` gives this class in the fork's wheel.
+    ``from monai.data import SharedCacheStore`` gives this class in the fork's wheel. Its other arguments, pickling and
+    guarantees are the core store's: see there.
+
+    With ``persistent=True``, the store is kept in the directory ``path`` across runs (see "Keeping the cache across
+    runs" in the caching guide): a later run that opens the same path reuses every item whose key matches (the key
+    that ``CacheDataset`` gives and the MONAI version). Items are written to disk (``fsync``) before they are published,
+    so whatever a killed run had finished is reused whole. Past ``reserve`` or ``max_bytes``, the items that earlier
+    runs used least recently are removed to make room; those of the current run are kept, and new ones refused.
+
+    Args:
+        path: the directory of an existing store to join; ``None`` to make a new store. With ``persistent=True``, the
+            directory to keep the store in, on this machine, made (mode ``0o700``) if missing; ``~`` is expanded.
+        root: where to make a new store (see the core's store).
+        claim_timeout: see the core's store.
+        reserve: bytes to keep free on the store's file system; a new store records it for all its users, who keep
+            to it unless they give one. By default ``MONAI_CACHE_RESERVE_BYTES`` if set, else half the file system,
+            at most 4 GiB (for a new persistent store, at least a tenth of its file system: a disk holds checkpoints
+            and logs too).
+        max_bytes: a cap on the total size of the store's items, recorded by a new store for all its users; by
+            default ``MONAI_CACHE_MAX_BYTES`` if set, else none.
+        persistent: keep the store in ``path`` when its last user leaves, for later runs. With it, ``reserve`` and
+            ``max_bytes``, if given, each replace the value that the store recorded, when no other run uses it. A
+            store that was made persistent is joined as such without it.
+
+    Raises:
+        ValueError: ``max_bytes`` is not a non-negative integer, or is given with ``path`` (without ``persistent``);
+            ``persistent=True`` without ``path`` or with ``root``; ``path`` is not empty and holds no persistent
+            store, is named like a temporary store (``monai-cache-*``), or is on a network file system.
+        PermissionError: with ``persistent=True``, ``path`` or a file of the store's own in it is a symbolic link,
+            another user's or writable by others.
 
     Example:
         .. code-block:: python
 
             store = SharedCacheStore()  # a new directory /dev/shm/monai-cache-*
             ds = CacheDataset(data, transform, runtime_cache=store)
+            kept = SharedCacheStore("/local/cache/brats", persistent=True)  # kept for the next run, made if missing
     """
 
     _memory: bool | None = None  # whether its items are memory of this process's cgroup (tmpfs)
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        root: str | os.PathLike | None = None,
+        claim_timeout: float = 600.0,
+        reserve: int | None = None,
+        max_bytes: int | None = None,
+        persistent: bool = False,
+    ) -> None:
+        max_bytes = budget.check_bytes("max_bytes", max_bytes)
+        env_max = budget.env_bytes(budget.ENV_MAX_BYTES) if persistent or path is None else None  # before any file
+        if persistent:
+            if path is None or root is not None:
+                raise ValueError(
+                    "persistent=True needs path, the directory to keep the store in (made if missing), and no root; "
+                    f"got path={path!r}, root={root!r}."
+                )
+            path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        elif path is not None and max_bytes is not None:
+            raise ValueError(
+                f"max_bytes is recorded by a new store for all its users: give it without path, got {path!r}."
+            )
+        try:
+            if persistent:
+                persist.prepare(cast(str, path))
+            super().__init__(path, root=root, claim_timeout=claim_timeout, reserve=reserve)
+        except OSError as err:  # a full or read-only file system: the job goes on without the cache
+            if path is None or isinstance(err, PermissionError) or err.errno not in _NO_ROOM:
+                raise
+            vars(self).update(vars(self.uncached(os.path.abspath(os.fspath(path)), err)))  # __init__ returns no object
+            self._setup_layer(None, None)
+            return
+        self._setup_layer(max_bytes, None)
+        at = self._at()
+        if at is None:  # no room to make it, or gone: nothing of the layer's to open
+            return
+        if persistent or _exists(at, persist.SESSION):
+            self._open_persistent(reserve, max_bytes, env_max)
+        elif path is None:
+            self.max_bytes = max_bytes = env_max if max_bytes is None else max_bytes
+            try:
+                budget.record(self.subdir(".tmp"), at, self.reserve, max_bytes)
+            except OSError as err:
+                self._fault_layer("cannot record the budget", err)
+        else:
+            recorded = budget.recorded(at)
+            self.reserve = recorded[0] if reserve is None else self.reserve
+            self.max_bytes = recorded[1]
+
+    def _at(self) -> Any:
+        """The store's checked directory, or ``None`` if the store is closed or gone."""
+        try:
+            return self.directory
+        except OSError:
+            return None
+
+    def _setup_layer(self, max_bytes: int | None, session: int | None) -> None:
+        self.max_bytes, self._session = max_bytes, session  # session: the start of a persistent store's current one
+        self.durable = self._evictable = session is not None
+        self._room = threading.local()  # the bytes that the current put of each thread reserved in the count
+        self._writes_dir: Any = None
+        self._used = budget.Used(lambda: self.directory, self._recount)
+        ref = weakref.ref(self)  # not the store itself: its counts would keep it alive
+        slots = lambda: cast(SharedCacheStore, ref()).subdir(counters.SLOTS_DIR)  # noqa: E731
+        self._counters = counters.Counters(slots, persistent=session is not None)
+
+    def _open_persistent(self, reserve: int | None, max_bytes: int | None, env_max: int | None) -> None:
+        """Use the persistent store whose directory the core has joined: check it, and start or join its session."""
+        at = self.directory
+        try:
+            persist.check_local(self.path)
+            persist.check_files(at, _OWN + (".tmp",))
+            held, first = persist.join(at)
+        except BaseException as err:
+            self.close()
+            if not isinstance(err, OSError) or isinstance(err, PermissionError) or err.errno not in _NO_ROOM:
+                raise
+            self._fault_layer("cannot open the persistent store", err)
+            self._setup_layer(None, None)
+            return
+        self._users = weakref.finalize(self, held.close)  # at close(), garbage collection or exit
+        try:
+            if first:  # no other run uses the store: a new session, with the budget given
+                self._clean_own_temps()
+                old = budget.recorded(at) if _exists(at, budget.BUDGET_FILE) else None
+                if old is None:
+                    max_bytes = env_max if max_bytes is None else max_bytes
+                    if reserve is None:
+                        total = (self.free_space() or (0, 0))[1]
+                        reserve = (
+                            self.reserve if self.reserve is not None else max(min(total // 2, 4 << 30), total // 10)
+                        )
+                    budget.record(self.subdir(".tmp"), at, reserve, max_bytes)
+                elif reserve is not None or max_bytes is not None:
+                    reserve, max_bytes = old[0] if reserve is None else reserve, (
+                        old[1] if max_bytes is None else max_bytes
+                    )
+                    budget.record(self.subdir(".tmp"), at, reserve, max_bytes)
+                counters.reset(self.subdir(counters.SLOTS_DIR))
+                persist.start_session(at)
+            else:
+                self._tell_other_budget(reserve, max_bytes)
+        except OSError as err:  # a full file system: the store is read as it is
+            self._fault_layer("cannot start a session of the persistent store", err)
+        finally:
+            if first:  # the other users wait for the session to start
+                persist.joined(held)
+        self.reserve, self.max_bytes = budget.recorded(at)
+        self._setup_layer(self.max_bytes, persist.session_start(at))
+
+    def _tell_other_budget(self, reserve: int | None, max_bytes: int | None) -> None:
+        """Warn if the budget asked for differs from the one that the store's current session keeps to."""
+        old = budget.recorded(self.directory)
+        asked = {"reserve": (reserve, old[0]), "max_bytes": (max_bytes, old[1])}
+        other = [f"{name}={was} (asked: {new})" for name, (new, was) in asked.items() if new is not None and new != was]
+        if other:
+            warnings.warn(
+                f"SharedCacheStore {self.path}: another run uses this persistent store, and its budget holds for this "
+                f"run too: {', '.join(other)}. A budget given is recorded when a run opens the store that no other run "
+                "uses.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _clean_own_temps(self) -> None:
+        """Remove the budget records that killed runs left half written in ``.tmp``: only names that the layer makes."""
+        tmp = self.subdir(".tmp")
+        for name in tmp.names():
+            if name.startswith(budget.BUDGET_FILE + "-"):
+                held = _flock.hold(tmp, name)
+                if held is not None:
+                    _unlink(tmp, name)
+                    held.close()
+
+    def _fault_layer(self, what: str, err: OSError) -> None:
+        warnings.warn(
+            f"SharedCacheStore {self.path}: {what} ({type(err).__name__}: {err}).", RuntimeWarning, stacklevel=3
+        )
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the store is kept across runs."""
+        return self._session is not None
+
+    def __reduce__(self) -> tuple:
+        core = super().__reduce__()
+        return _attach, (core[0], core[1], self.max_bytes, self._session)
+
+    def file_stem(self, key: str) -> str:
+        return super().file_stem(key + "|" + persist.version_tag() if self._session is not None else key)
 
     def map_item(self, fd: int, st: os.stat_result, name: str) -> memoryview:
         if not pool.ENABLED:
@@ -72,18 +286,205 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             return room[1], room[0]
         return space
 
+    def get(self, key: str, default: Any = None) -> Any:
+        if self._session is None or self._at() is None:
+            return super().get(key, default)
+        name = self.file_stem(key) + ".item"
+        try:
+            before = self.directory.stat(name)  # its use before this read, which may set its access time
+        except OSError:
+            return default
+        item = super().get(key, _MISS)
+        if item is _MISS:
+            return default
+        if persist.touch(self.directory, name, before, self._session):
+            self._counters.add(counters.REUSED)
+        return item
+
+    def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
+        item = self.get(key, _MISS)
+        if item is not _MISS:
+            self._counters.add(counters.HITS)
+            return item
+        self._counters.add(counters.MISSES)
+        return super().get_or_compute(key, self._counted(compute))
+
+    def fill(self, key: str, compute: Callable[[], Any], wait: bool = True) -> bool:
+        if self._session is not None and self._at() is not None:
+            name = self.file_stem(key) + ".item"
+            try:  # used by this run: never evicted for its other items
+                if persist.touch(self.directory, name, self.directory.stat(name), self._session):
+                    self._counters.add(counters.REUSED)
+            except OSError:
+                pass
+        return super().fill(key, self._counted(compute), wait)
+
+    def _counted(self, compute: Callable[[], Any]) -> Callable[[], Any]:
+        def counted() -> Any:
+            self._counters.add(counters.COMPUTED)
+            return compute()
+
+        return counted
+
+    def put(self, key: str, item: Any) -> bool:
+        room = self._room
+        room.reserved, room.active, room.held = 0, True, None
+        before = self._size(self.file_stem(key) + ".item")  # another process's copy of the item, if any
+        try:
+            stored = super().put(key, item)
+        finally:
+            room.active = False
+            if room.held is not None:  # published or not: no longer a write under way
+                at, name, held = room.held
+                _unlink(at, name)
+                held.close()
+        if stored:
+            self._count(-before, 0 if before else 1)  # its bytes were counted when they were reserved
+        else:
+            self._count(-room.reserved)
+            self._counters.add(counters.REFUSED)
+        return stored
+
+    def room_for(self, nbytes: int) -> str | None:
+        """
+        As the core's, and past ``max_bytes``; called by :py:meth:`put`, it counts the item's bytes in the store when
+        they fit. A persistent store first makes room by removing the items of earlier runs that were used least
+        recently.
+        """
+        why = self._room_for(nbytes)
+        if why is not None and self._evictable and self._session is not None:
+            freed = persist.evict(self.directory, self._session, lambda found: self._excess(found, nbytes))
+            self._evictable = freed is not None
+            if freed:
+                self._count(-freed[0], -freed[1])
+                why = self._room_for(nbytes)
+        return why
+
+    def _room_for(self, nbytes: int) -> str | None:
+        why = super().room_for(nbytes)
+        if why is not None or not getattr(self._room, "active", False):
+            return why
+        try:
+            fits, used = self._used.add(nbytes, cap=self.max_bytes, made=lambda: self._under_way(nbytes))
+        except OSError:  # the write itself will tell what is wrong
+            return None
+        if not fits:
+            return f"the store holds {used / 2**20:.0f} MiB and its cap is max_bytes={self.max_bytes}"
+        self._room.reserved = nbytes
+        return None
+
+    def _under_way(self, nbytes: int) -> None:
+        """
+        Under the count's lock, once the bytes of this thread's write are counted: a file that holds them in its name,
+        locked until the write is done, so that a recount counts the writes under way, and no other.
+        """
+        at, name = self._writes(), f"{secrets.token_hex(8)}-{nbytes}"
+        held = _flock.hold(at, name)
+        if held is None:
+            raise OSError(errno.EEXIST, "a write of that name is under way", name)
+        self._room.held = (at, name, held)
+
+    def _writes(self) -> Any:
+        if self._writes_dir is None:  # opened once per store object: a write pays no check of it
+            self._writes_dir = self.subdir(budget.WRITES_DIR)
+        return self._writes_dir
+
+    def _excess(self, found: list, nbytes: int) -> int:
+        """The bytes to remove for an item of ``nbytes`` to fit, of the items ``found`` in the store."""
+        excess = 0 if self.max_bytes is None else sum(f[2] for f in found) + nbytes - self.max_bytes
+        space = self.free_space()
+        if space is not None and self.reserve is not None:
+            excess = max(excess, self.reserve - (space[0] - nbytes))
+        return excess
+
+    def _count(self, nbytes: int, items: int = 0) -> None:
+        try:
+            if (nbytes or items) and self._at() is not None:
+                self._used.add(nbytes, items)
+        except OSError:  # the next write finds out what is wrong
+            pass
+
+    def _size(self, name: str) -> int:
+        try:
+            return self.directory.stat(name).st_size
+        except OSError:
+            return 0
+
+    def _recount(self) -> tuple[int, int]:
+        """
+        The bytes and the number of the store's items, counted in its directory, and the bytes of the writes under way;
+        the files of dead writers are removed (their bytes were never written).
+        """
+        found = persist.items(self.directory)
+        nbytes = sum(f[2] for f in found)
+        try:
+            at = self._writes()
+            for name in at.names():
+                held = _flock.hold(at, name)
+                if held is None:  # its writer is alive
+                    nbytes += int(name.rsplit("-", 1)[-1]) if name.rsplit("-", 1)[-1].isdigit() else 0
+                else:
+                    _unlink(at, name)
+                    held.close()
+        except OSError:
+            pass
+        return nbytes, len(found)
+
     def discard(self, keys: Iterable[str]) -> None:
-        keys = list(keys)
-        super().discard(keys)
-        if keys:  # kept mappings of removed items would pin their pages
+        removed = 0
+        for key in keys:
+            name = self.file_stem(key) + ".item"
+            size = self._size(name)
+            super().discard([key])
+            if size and not self._size(name):
+                self._count(-size, -1)
+            removed += 1
+        if removed:  # kept mappings of removed items would pin their pages
             self._purge()
 
     def clear(self) -> None:
-        super().clear()
+        """Remove every item of the store, of any dataset or run; processes that use it go on, and miss."""
+        if self._at() is not None:
+            removed = gone = 0
+            for _, _, size, name in persist.items(self.directory):
+                try:
+                    self.directory.unlink(name)
+                    removed, gone = removed + size, gone + 1
+                except OSError:
+                    pass
+            self._count(-removed, -gone)
         self._purge()
+
+    def count(self, keys: Iterable[str]) -> int:
+        """The number of ``keys`` whose item is stored now (one ``stat`` each): a dataset's share of the store."""
+        if self._at() is None:
+            return 0
+        return sum(_exists(self.directory, self.file_stem(key) + ".item") for key in keys)
+
+    def stats(self) -> dict[str, int]:
+        """
+        Returns:
+            ``{"filled": the number of items stored, "nbytes": their size in bytes, "hits", "misses": reads by
+            get_or_compute that found or missed their item, "computed": items computed by get_or_compute and fill,
+            "refused": items computed but not stored (budget or fault)}``; the counts are those of all the processes
+            that used the store, gone ones included. A persistent store counts since its current run began (its
+            first user after none), and adds ``"reused"``: the items written by an earlier run that this run used.
+        """
+        found = [] if self._at() is None else persist.items(self.directory)
+        return {"filled": len(found), "nbytes": sum(f[2] for f in found), **self._counters.total()}
+
+    def process_stats(self) -> dict[str, int]:
+        """
+        Returns:
+            the counts of :py:meth:`stats` for this process alone (each DataLoader worker counts for itself).
+        """
+        return self._counters.local()
 
     def close(self) -> None:
         super().close()
+        self._counters.close()
+        if getattr(self, "_users", None) is not None:
+            self._users()
         self._purge()
 
     def _purge(self) -> None:
@@ -127,7 +528,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             return found
         for name in names:
             try:
-                read = at.read_checked(name)
+                read = _read(at, name)
                 if read is not None:
                     found[name] = json.loads(read[0])
             except (OSError, ValueError):  # gone, or being written: no note
@@ -174,7 +575,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         if not self.persistent or not _NAME.fullmatch(name):
             return None
         try:
-            read = self.subdir(_KEPT).read_checked(name)
+            read = _read(self.subdir(_KEPT), name)
             return None if read is None else json.loads(read[0])
         except (OSError, ValueError):
             return None
@@ -192,16 +593,65 @@ def _unlink(at: Any, name: str) -> None:
         pass
 
 
-def create_shared_cache(group: Any = None, **kwargs: Any) -> SharedCacheStore:
+def _exists(at: Any, name: str) -> bool:
+    try:
+        at.stat(name)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _read(at: Any, name: str, limit: int = 1 << 20) -> tuple[bytes, os.stat_result] | None:
+    """The first ``limit`` bytes of the file ``name`` of ``at`` and its status, if a private file of this user."""
+    found = at.open_checked_stat(name)
+    if found is None:
+        return None
+    with os.fdopen(found[0], "rb") as f:
+        return f.read(limit), found[1]
+
+
+def create_shared_cache(
+    group: Any = None,
+    *,
+    max_bytes: int | None = None,
+    path: str | os.PathLike | None = None,
+    persistent: bool = False,
+    **kwargs: Any,
+) -> SharedCacheStore:
     """
     :py:func:`monai.data.shared_cache.create_shared_cache`, whose stores are this module's :py:class:`SharedCacheStore`
     (``from monai.data import create_shared_cache`` gives this function in the fork's wheel).
 
     Args:
         group: the process group whose ranks share one store per node; ``None`` for the default group.
+        max_bytes: a cap on the total size of each node's store (the value of the lowest rank of each node counts).
+        path: with ``persistent=True``, the directory of each node's store, kept across runs (the value of the lowest
+            rank of each node counts). It must be on the node: on a file system that several nodes share, give each
+            node a path of its own, such as ``f"/shared/cache/{socket.gethostname()}"``.
+        persistent: keep each node's store in ``path`` for later runs, see :py:class:`SharedCacheStore`.
         kwargs: the other arguments of the core's ``create_shared_cache``.
 
     Returns:
         this rank's handle of its node's store.
+
+    Raises:
+        ValueError: ``path`` and ``persistent=True`` are not given together, or with ``root``; ``max_bytes`` is not
+            a non-negative integer; and as the core's function raises.
     """
-    return cast(SharedCacheStore, shared_cache.create_shared_cache(group, store_type=SharedCacheStore, **kwargs))
+    max_bytes = budget.check_bytes("max_bytes", max_bytes)  # on every rank, before any collective
+    if (path is None) == bool(persistent) or (persistent and kwargs.get("root") is not None):
+        raise ValueError(
+            "create_shared_cache: path (the directory of a store kept across runs) goes with persistent=True, and "
+            f"root (where temporary stores are made) without it; got path={path!r}, persistent={persistent!r}, "
+            f"root={kwargs.get('root')!r}."
+        )
+
+    def make(joined: str | None = None, *, root: Any = None, reserve: int | None = None) -> SharedCacheStore:
+        if joined is not None:  # the other ranks of the node join the store of its lowest rank
+            return SharedCacheStore(joined, reserve=reserve)
+        if persistent:
+            return SharedCacheStore(path, persistent=True, reserve=reserve, max_bytes=max_bytes)
+        return SharedCacheStore(root=root, reserve=reserve, max_bytes=max_bytes)
+
+    make.supported = SharedCacheStore.supported  # type: ignore[attr-defined]
+    return cast(SharedCacheStore, shared_cache.create_shared_cache(group, store_type=make, **kwargs))

@@ -125,6 +125,26 @@ class TestLeftovers(unittest.TestCase):
         self.new_store()  # cleans the leftovers of this root
         self.assertEqual(sorted(os.listdir(mine)), [".lock", "a.item", "notes.txt"])
 
+    def test_a_kept_store_is_never_removed(self):
+        """A store that ``mark_kept`` made (for a subclass that keeps items across runs): no last user removes it."""
+        kept = os.path.join(self.root, locks.PREFIX + "kept")  # named as a store, and as old as a crashed run's
+        os.mkdir(kept, 0o700)
+        os.close(os.open(os.path.join(kept, ".lock"), os.O_CREAT | os.O_WRONLY, 0o600))  # as an interrupted call left
+        SharedCacheStore.mark_kept(kept)
+        SharedCacheStore.mark_kept(kept)  # a store kept already: nothing to do
+        store = SharedCacheStore(kept)
+        self.assertTrue(store.put("a", 1))
+        store.close()  # its last user
+        _backdate(kept, 60)
+        self.new_store()  # cleans the leftovers of this root
+        self.assertEqual(SharedCacheStore(kept).get("a"), 1)
+        mine = os.path.join(self.root, "mine")
+        os.mkdir(mine, 0o700)
+        open(os.path.join(mine, "notes.txt"), "w").close()
+        with self.assertRaisesRegex(ValueError, "holds \\['notes.txt'\\] and no store kept"):
+            SharedCacheStore.mark_kept(mine)
+        self.assertEqual(os.listdir(mine), ["notes.txt"])  # nothing made in it
+
     def test_store_in_use_kept(self):
         store = self.new_store()
         reader = pickle.loads(pickle.dumps(store))  # what a DataLoader worker gets: it does not participate

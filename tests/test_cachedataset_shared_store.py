@@ -131,10 +131,18 @@ class TestProcessMode(unittest.TestCase):
         for bad in ("../x", "notes", ".a/b", ""):
             with self.assertRaisesRegex(ValueError, "a dot, then"):
                 store.subdir(bad)
+        at = store.directory  # the store's own directory, as opened and checked: not its path
+        os.rename(store.path, store.path + "-moved")
+        os.mkdir(store.path, 0o700)
+        self.assertEqual((os.fstat(at.fd).st_ino, at.stat(".notes").st_ino), (os.stat(store.path + "-moved").st_ino,
+                         os.stat(notes.path.replace(store.path, store.path + "-moved")).st_ino))  # fmt: skip
+        os.rmdir(store.path)
+        os.rename(store.path + "-moved", store.path)
         store.close()  # goes with the store
         self.assertEqual(os.listdir(self.root), [])
-        with self.assertRaises(FileNotFoundError):
-            store.subdir(".notes")
+        for closed in (lambda: store.subdir(".notes"), lambda: store.directory):
+            with self.assertRaises(FileNotFoundError):
+                closed()
 
     @unittest.skipIf(FORK is None, "the file system is faked in this process and its forked workers")
     @needs_store

@@ -62,11 +62,10 @@ class SharedCacheStore:
     A cache of items that the processes of one machine share without a server: each item is a file in a private
     directory, by default on ``/dev/shm`` (in memory).
 
-    A ``Manager().list()`` pickles every item through its server at every read, and holds a file descriptor per
-    tensor. Here an item is written once, to a temporary file published under its key with an atomic ``os.replace``,
-    and a read maps the file privately and copy-on-write: the item's arrays and tensors are views of the mapping, with
-    no copy and no open descriptor, that the reader may modify in place. A store pickles as its path, so DataLoader
-    workers receive it with what holds it; other processes of the same user join it with ``SharedCacheStore(path)``.
+    An item is written once to a temporary file, published under its key by an atomic ``os.replace``; a read maps it
+    privately and copy-on-write: arrays and tensors are views of the mapping, with no copy and no open descriptor. A
+    store pickles as its path, so DataLoader workers receive it with what holds it; other processes of the same user
+    join it with ``SharedCacheStore(path)``.
     It is removed when the last process that made or joined it closes it or exits.
 
     Args:
@@ -89,8 +88,7 @@ class SharedCacheStore:
             store.close()  # the last one to close (or exit) removes the directory
 
     Note:
-        A store never makes a job fail: a removed directory, a full file system or a permission error leads to one
-        warning per process, and to computing items without the cache. A damaged item file is a miss, and removed.
+        A store never makes a job fail: a fault leads to one warning per process, and items computed without it.
 
     Warning:
         Items are unpickled when read, which can run code: a store joins only a directory of this user closed to
@@ -98,8 +96,7 @@ class SharedCacheStore:
     """
 
     supported = locks.AVAILABLE  # whether stores can be made here (not without fcntl, as on Windows)
-    _gone: bool  # closed, or the directory is gone: always miss
-    _writable: bool  # False after a persistent write error
+    durable = False  # whether an item is synced to its disk before it is published: for a subclass kept on a disk
 
     def __init__(self, path: str | os.PathLike | None = None, *, root: str | os.PathLike | None = None) -> None:
         if not self.supported:
@@ -170,11 +167,13 @@ class SharedCacheStore:
         except Exception as err:  # before any file is made; the item is computed without the cache
             self._warn_once("cannot store some items", err, fmt.UNSTORABLE)
             return False
-        tmp = f"{self._stem(key)}-{secrets.token_hex(8)}"
+        tmp = f"{self.file_stem(key)}-{secrets.token_hex(8)}"
         try:
             fd = self._tmp.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
                 fmt.write_item(fd, chunks)
+                if self.durable:
+                    os.fsync(fd)
                 os.replace(tmp, self._file(key, ".item"), src_dir_fd=self._tmp.fd, dst_dir_fd=self._dir.fd)
             finally:
                 os.close(fd)
@@ -209,12 +208,13 @@ class SharedCacheStore:
             raise OSError(errno.EIO, str(err), name) from err
         return memoryview(cast(Any, torch.empty(0, dtype=torch.uint8).set_(cast(Any, storage)).numpy()))
 
-    @staticmethod
-    def _stem(key: str) -> str:
+    def file_stem(self, key: str) -> str:
+        """The name of ``key``'s files (``<stem>.item``): ``key`` if a safe name, else its sha256; a subclass may add a
+        version to it."""
         return key if _SAFE_KEY.fullmatch(key) else hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
     def _file(self, key: str, suffix: str) -> str:
-        return self._stem(key) + suffix  # in the store's directory
+        return self.file_stem(key) + suffix  # in the store's directory
 
     def _read(self, key: str) -> Any:
         path, ino = self._file(key, ".item"), None

@@ -22,11 +22,10 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
-from monai.data._cache_budget import check_bytes
 from monai.data.cache_store import SharedCacheStore
 
 if TYPE_CHECKING:
@@ -111,8 +110,7 @@ def create_shared_cache(
     node_id: str | None = None,
     timeout: float | None = None,
     reserve: int | None = None,
-    max_bytes: int | None = None,
-    store_type: type[SharedCacheStore] = SharedCacheStore,
+    store_type: Callable[..., SharedCacheStore] = SharedCacheStore,
 ) -> SharedCacheStore:
     """
     Create one :py:class:`~monai.data.SharedCacheStore` per node for the ranks of ``group``: the ranks of a node, and
@@ -152,9 +150,10 @@ def create_shared_cache(
             function; ``None`` for the group's own timeout. With a subgroup, which must then be a gloo group, a
             ``monitored_barrier`` with this timeout waits for the ranks to arrive.
         reserve: bytes each node's store keeps free on its file system for the DataLoader's shared memory (see
-            :py:class:`~monai.data.SharedCacheStore`; the value of the lowest rank of each node counts).
-        max_bytes: a cap on the total size of each node's store (the value of the lowest rank of each node counts).
-        store_type: the class of the stores made and attached to: ``SharedCacheStore`` or a subclass of it.
+            :py:class:`~monai.data.SharedCacheStore`).
+        store_type: what makes the stores, ``SharedCacheStore`` or a subclass of it: called as
+            ``store_type(root=root, reserve=reserve)`` on the lowest rank of each node, and as
+            ``store_type(path, reserve=reserve)`` on the others.
 
     Returns:
         this rank's handle of its node's store. Pass it as ``runtime_cache``; ``close()`` it when the rank no longer
@@ -162,10 +161,11 @@ def create_shared_cache(
 
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows), on every rank before any collective call.
-        ValueError: ``timeout`` is not positive, ``reserve`` or ``max_bytes`` is negative, this process is not a
-            member of ``group``, or ``timeout`` is given with a subgroup that is not a gloo group.
-        RuntimeError: on every rank, if any node's store could not be made or any rank could not attach to its node's
-            store (ranks on different machines with one node identity, say); the message names the ranks and errors.
+        ValueError: ``timeout`` is not positive, this process is not a member of ``group``, or ``timeout`` is given
+            with a subgroup that is not a gloo group.
+        RuntimeError: on every rank, if any node's store could not be made (a negative ``reserve``, say) or any rank
+            could not attach to its node's store (ranks on different machines with one node identity, say); the
+            message names the ranks and errors.
             Errors of the collectives themselves (a timeout) are raised as ``torch.distributed`` raises them.
 
     Example:
@@ -178,15 +178,13 @@ def create_shared_cache(
     """
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
-    check_bytes("reserve", reserve)  # on every rank, before any collective
-    check_bytes("max_bytes", max_bytes)
-    if not store_type.supported:
+    if not (SharedCacheStore.supported and getattr(store_type, "supported", True)):
         raise NotImplementedError(
             "create_shared_cache needs SharedCacheStore, which needs fcntl file locks, missing on this platform. Give "
             "each rank its own cache instead: CacheDataset(..., runtime_cache=False) or runtime_cache='process'."
         )
     if not (dist.is_available() and dist.is_initialized()):
-        return store_type(root=root, reserve=reserve, max_bytes=max_bytes)
+        return store_type(root=root, reserve=reserve)
     if dist.get_rank(group) < 0:
         raise ValueError("create_shared_cache: this process is not a member of `group`.")
     node = _node_identity(node_id)
@@ -200,7 +198,7 @@ def create_shared_cache(
         created: tuple[str, str] | None = None
         if me == creator:
             try:
-                store = store_type(root=root, reserve=reserve, max_bytes=max_bytes)
+                store = store_type(root=root, reserve=reserve)
                 created = (_OK, store.path)
             except Exception as err:  # every rank must learn of it, and none may hang waiting for a path
                 created = (
@@ -215,7 +213,7 @@ def create_shared_cache(
         attached: tuple[str, str] = (_OK, "")
         if me != creator:
             try:
-                store = store_type(outcomes[creator][1])
+                store = store_type(outcomes[creator][1], reserve=reserve)
             except Exception as err:
                 attached = (
                     _ERROR,

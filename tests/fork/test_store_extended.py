@@ -433,14 +433,15 @@ import sys
 import numpy as np
 import monai
 from monai.data import CacheDataset
-from monai.data import _cache_counters, _cache_locks
+from monai.data import _cache_locks
 from monai.transforms import Compose, Lambda
 
 
 def hooks():
     pool = sys.modules.get("monai_sharedcache._pool")  # the fork's layer: not even imported before a store is made
     fast = [pool is not None and "ENABLED" in vars(pool), pool is not None and pool._LIBC_LOADED]
-    return [bool(_cache_locks._HOOKED), bool(_cache_counters._HOOKED), *fast]
+    counts = sys.modules.get("monai_sharedcache.counters")  # registers its hook when imported, at the first store
+    return [bool(_cache_locks._HOOKED), counts is not None, *fast]
 
 
 ds = CacheDataset([np.zeros(2)] * 4, Compose([Lambda(lambda x: x + 1)]), progress=False)

@@ -15,7 +15,7 @@ Recipe: one runtime cache shared by the DataLoader workers of one process.
 
 ``runtime_cache="process"`` gives the dataset its own shared-memory store (a private directory on ``/dev/shm``, no
 server process). Every worker reads and fills the same store, in every epoch, whatever the start method of the
-workers. The second part creates the store explicitly, which is the same thing plus access to ``store.stats()``.
+workers. The second part creates the store explicitly, which is the same thing plus a path that other processes join.
 """
 
 from __future__ import annotations
@@ -73,11 +73,8 @@ def explicit_store(log: str) -> None:
     store = SharedCacheStore()  # a new private directory /dev/shm/monai-cache-*
     try:
         ds = CacheDataset(data, transform, runtime_cache=store)
-        print(f"  {store.path}: {store.stats()}")  # nothing filled yet
         run_epochs(ds, log, epochs=2)
-        stats = store.stats()
-        print(f"  {store.path}: {stats}")
-        assert stats["filled"] == stats["computed"] == len(data)
+        print(f"  {store.path}: {executions(log)} items computed, each once")
         assert executions(log) == len(data)
     finally:
         store.close()  # this process created it, so closing removes the directory

@@ -16,7 +16,7 @@ Recipe: fill one cache per node before training, the work split across the node'
 Every rank calls ``create_shared_cache()`` once, then ``ds.fill()``: each rank computes its share of the items (with its
 share of the node's CPUs in threads, and a progress bar), skips the items another rank is computing and waits for them
 at the end, so when ``fill`` returns the node's cache is full and every item was computed once on the machine. ``fill``
-makes no collective call. The first epoch then runs at cached speed. ``ds.cache_stats()`` is printed after each epoch.
+makes no collective call. The first epoch then runs at cached speed: no rank computes an item in training.
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ def train(log: str) -> None:
     transform = Compose([Load(), RandFlipd(keys="image", prob=0.5, spatial_axis=0)])
     ds = CacheDataset(data, transform, runtime_cache=store, num_workers=2, progress=rank == 0)
     ds.fill()  # this rank's share, then the others' items as they are published: no collective call
-    assert ds.cache_stats()["cache"]["filled"] == len(data), "the node's cache is full when fill returns"
     filled_by_me = executions(log)
 
     sampler = DistributedSampler(ds, shuffle=True, seed=0)
@@ -70,9 +69,8 @@ def train(log: str) -> None:
         sampler.set_epoch(epoch)
         for batch in loader:
             assert torch.equal(batch["image"].amax(dim=(1, 2, 3)), batch["id"].float())
-        dist.barrier()  # only so that the statistics below are those of the whole epoch
         if rank == 0:
-            print(f"epoch {epoch}: {ds.cache_stats()}")
+            print(f"epoch {epoch}: items computed by rank 0 so far: {executions(log)}")
 
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, (filled_by_me, executions(log)))

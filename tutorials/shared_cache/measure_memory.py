@@ -17,7 +17,7 @@ RSS counts a shared page once in *every* process that maps it, so summing the RS
 the shared pages (the torch libraries, a cache inherited through ``fork``) several times. PSS (proportional set size,
 ``/proc/<pid>/smaps_rollup``) divides each shared page among the processes that map it, so PSS adds up. A shared
 store's items live in ``/dev/shm`` and are mapped only while being read, so they show up in no process's PSS: count
-them with ``store.stats()["nbytes"]`` (or ``du`` on the store's directory).
+them with ``du`` on the store's directory (``store.path``).
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def measure(name: str, runtime_cache, store: SharedCacheStore | None = None) -> 
                 rss, pss = rss_and_pss(pids)
     line = f"{name:<22} {len(pids)} processes   sum of RSS {rss / MIB:7.1f} MiB   sum of PSS {pss / MIB:7.1f} MiB"
     if store is not None:
-        line += f"   + store in /dev/shm {store.stats()['nbytes'] / MIB:5.1f} MiB"
+        stored = sum(e.stat().st_size for e in os.scandir(store.path) if e.is_file())  # as du counts it
+        line += f"   + store in /dev/shm {stored / MIB:5.1f} MiB"
     print(line)
     assert pss <= rss
 

@@ -84,7 +84,7 @@ def rank_main(rank: int, world_size: int, tmp: str) -> None:
         if rank == 0:
             paths = {path for path, _ in gathered}
             computed = [n for _, n in gathered]
-            print(f"stores: {sorted(paths)}  computed per rank: {computed}  stats: {store.stats()}")
+            print(f"stores: {sorted(paths)}  computed per rank: {computed}")
             assert len(paths) == 1
             assert sum(computed) == len(data)
         dist.barrier()  # optional: the store is removed when the last rank closes it or exits

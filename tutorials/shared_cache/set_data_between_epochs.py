@@ -67,16 +67,15 @@ def train(log: str) -> None:
     try:
         ds = CacheDataset(old, transform, runtime_cache=store)
         assert one_epoch(ds) == list(range(16))
-        print(f"old data: computed {len(computed_ids(log))}, {store.stats()}")
+        print(f"old data: computed {len(computed_ids(log))}")
 
         ds.set_data(new)  # the same store: 20 slots now, and the items of ids 0..7 are removed
-        print(f"after set_data: {store.stats()}")
-        assert store.stats()["filled"] == 8 and ds.cache_num == 20
+        assert ds.cache_num == 20
 
         done = len(computed_ids(log))
         assert one_epoch(ds) == list(range(8, 28))
         fresh = sorted(computed_ids(log)[done:])
-        print(f"new data: computed ids {fresh}, {store.stats()}")
+        print(f"new data: computed ids {fresh}")
         assert fresh == list(range(16, 28)), "ids 8..15 came from the cache, 16..27 were computed"
 
         assert one_epoch(ds) == list(range(8, 28))

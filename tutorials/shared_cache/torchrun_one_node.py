@@ -70,7 +70,7 @@ def train(log: str) -> None:
     if rank == 0:
         paths = {path for path, _ in gathered}
         computed = [n for _, n in gathered]
-        print(f"stores: {sorted(paths)}  computed per rank: {computed}  stats: {store.stats()}")
+        print(f"stores: {sorted(paths)}  computed per rank: {computed}")
         assert len(paths) == 1, "one store for the machine"
         assert sum(computed) == len(data), "every item computed once on the machine"
     store.close()  # optional: the store goes when the last rank closes it or exits

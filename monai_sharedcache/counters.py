@@ -9,8 +9,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-Counts of what a runtime cache did (hits, misses, computations, refused items), for this process and, for a
-:py:class:`monai.data.SharedCacheStore`, for all the processes that used it.
+Counts of what a runtime cache did (hits, misses, computations, refused items), for this process and, for a store,
+for all the processes that used it.
 
 The work of a shared cache happens in processes that the user does not hold on to: DataLoader workers, which exit
 at the end of every epoch, and the other ranks of the node. So every process counts into a slot of the store, a file
@@ -26,58 +26,47 @@ import os
 import struct
 import threading
 import weakref
-from typing import cast
+from typing import Any, Callable
 
-from monai.data import _cache_locks as locks
+from monai_sharedcache import _flock
 
-FIELDS = ("hits", "misses", "computed", "refused")
-HITS, MISSES, COMPUTED, REFUSED = range(len(FIELDS))
-_SLOT = struct.Struct(f"<{len(FIELDS)}q")
+FIELDS = ("hits", "misses", "computed", "refused", "reused")
+HITS, MISSES, COMPUTED, REFUSED, REUSED = range(len(FIELDS))
 SLOTS_DIR = ".counters"
+_SLOT = struct.Struct(f"<{len(FIELDS)}q")
 _MAX_SLOTS = 4096
 
 
 class Counters:
     """
-    The counts of this process and, with ``d``, of all processes that counted in the store of the directory ``d`` (a
-    ``Dir``). A copy pickled to another process counts for that process alone, from zero.
+    The counts of this process and, with ``slots`` (which gives the checked directory of the store's slots), of all
+    the processes that counted in that store. A copy pickled to another process counts for that process alone.
     """
 
-    def __init__(self, d: locks.Dir | None = None) -> None:
-        self._at, self._dir = d, cast("locks.Dir | None", None)  # the store's directory; its slots' once opened
+    def __init__(self, slots: Callable[[], Any] | None = None, persistent: bool = False) -> None:
+        self.fields = FIELDS if persistent else FIELDS[:REUSED]  # only a store kept across runs reuses items
+        self._slots = slots
         self._lock = threading.Lock()
         self._pid = -1
         self._local = [0] * len(FIELDS)  # the events of this process
         self._slot = [0] * len(FIELDS)  # what its slot holds: the counts of the slot's earlier holders, plus those
-        self._held: locks.Held | None = None
+        self._held: _flock.Held | None = None
         _ALL.add(self)
-        if not _HOOKED and hasattr(os, "register_at_fork"):  # at the first counts made, never at import
-            _HOOKED.append(True)
-            os.register_at_fork(after_in_child=_after_fork_in_child)
 
     def _attach(self) -> None:
         """Take a slot, at the first event of this process."""
         self._pid, self._local, self._slot, self._held = os.getpid(), [0] * len(FIELDS), [0] * len(FIELDS), None
-        if self._at is None:
-            return
         try:
-            try:
-                os.mkdir(SLOTS_DIR, 0o700, dir_fd=self._at.fd)
-            except FileExistsError:
-                pass
-            self._dir = locks.Dir(self._at.path, SLOTS_DIR, self._at)
-        except OSError:
-            return
-        for i in range(_MAX_SLOTS):
-            try:
-                held = locks.try_hold(str(i), os.O_CREAT, at=self._dir)
-            except OSError:
-                return
-            if held is not None:
-                data = os.pread(held.fd, _SLOT.size, 0)
-                self._slot = list(_SLOT.unpack(data)) if len(data) == _SLOT.size else self._slot
-                self._held = held
-                return
+            at = self._slots() if self._slots is not None else None
+            for i in range(_MAX_SLOTS if at is not None else 0):
+                held = _flock.hold(at, str(i))
+                if held is not None:
+                    data = os.pread(held.fd, _SLOT.size, 0)
+                    self._slot = list(_SLOT.unpack(data)) if len(data) == _SLOT.size else self._slot
+                    self._held = held
+                    return
+        except OSError:  # the store is gone or full: this process counts for itself
+            pass
 
     def add(self, field: int, n: int = 1) -> None:
         """Count ``n`` events of the kind ``FIELDS[field]`` in this process."""
@@ -103,29 +92,42 @@ class Counters:
         """The counts of this process."""
         with self._lock:
             mine = self._local if self._pid == os.getpid() else [0] * len(FIELDS)
-            return dict(zip(FIELDS, mine))
+            return dict(zip(self.fields, mine))
 
     def total(self) -> dict[str, int]:
-        """The counts of all processes, alive or not, that counted in the store (this process's own without one)."""
-        if self._at is None:
-            return self.local()
-        sums = [0] * len(FIELDS)
+        """The counts of all the processes, alive or not, that counted in the store (this process's without one)."""
+        sums, found = [0] * len(FIELDS), False
         try:
-            slots = self._dir = self._dir or locks.Dir(self._at.path, SLOTS_DIR, self._at)
-            names = slots.names()
+            at = self._slots() if self._slots is not None else None
+            names = at.names() if at is not None else []
         except OSError:
-            names = []
-        for name in names:
+            at, names = None, []
+        for name in names if at is not None else []:
             try:
-                found = slots.read_checked(name, _SLOT.size)
+                got = at.open_checked_stat(name)
             except OSError:
                 continue
-            if found is not None and len(found[0]) == _SLOT.size:
-                sums = [a + b for a, b in zip(sums, _SLOT.unpack(found[0]))]
-        return dict(zip(FIELDS, sums)) if names else self.local()
+            if got is not None:
+                data = os.pread(got[0], _SLOT.size, 0)
+                os.close(got[0])
+                if len(data) == _SLOT.size:
+                    sums, found = [a + b for a, b in zip(sums, _SLOT.unpack(data))], True
+        return dict(zip(self.fields, sums)) if found else self.local()
 
     def __reduce__(self) -> tuple:
         return Counters, ()
+
+
+def reset(at: Any) -> None:
+    """Remove the slots of the store's directory of slots ``at`` that no live process holds: a new session's start."""
+    for name in at.names():
+        held = _flock.hold(at, name)
+        if held is not None:
+            try:
+                at.unlink(name)
+            except OSError:
+                pass
+            held.close()
 
 
 def _after_fork_in_child() -> None:
@@ -134,4 +136,5 @@ def _after_fork_in_child() -> None:
 
 
 _ALL: weakref.WeakSet[Counters] = weakref.WeakSet()
-_HOOKED: list = []  # whether the at-fork hook is registered
+if hasattr(os, "register_at_fork"):  # a module of the layer, imported at a store's first use: never by `import monai`
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -27,7 +27,7 @@ import torch
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader, SharedCacheStore
-from monai.data import _cache_persist as persist
+from monai_sharedcache import persist
 from monai.data import create_shared_cache
 from monai.transforms import Compose, RandomizableTransform, Transform
 from tests.test_utils import DistCall, DistTestCase
@@ -148,7 +148,7 @@ class TestPersistentStore(DistTestCase):
         nbytes = store.stats()["nbytes"] // 4
         store.close()
         for age, k in enumerate(("k3", "k2", "k1", "k0")):  # k0 used last, long ago; k3 first
-            path = SharedCacheStore._stem(k + "|" + persist.version_tag()) + ".item"
+            path = store.file_stem(k) + ".item"
             when = time.time_ns() - (age + 10) * 10**9  # written before it was last used: relatime leaves it
             os.utime(os.path.join(self.path, path), ns=(when, when - 10**9))
         store = self.open(max_bytes=4 * nbytes + 1000, reserve=0)
@@ -186,14 +186,15 @@ class TestPersistentStore(DistTestCase):
         store.put("whole", np.arange(50_000))
         store.put("torn", np.arange(50_000))
         store.close()
-        torn = os.path.join(self.path, SharedCacheStore._stem("torn|" + persist.version_tag()) + ".item")
+        torn = os.path.join(self.path, store.file_stem("torn") + ".item")
         os.truncate(torn, os.path.getsize(torn) // 2)  # what no writer publishes: a half file
         dead = os.path.join(self.path, ".tmp", "killed-writer")
         with open(dead, "wb") as f:
             f.write(b"half an item")
         os.utime(dead, (time.time() - 60, time.time() - 60))
         store = self.open()
-        self.assertFalse(os.path.exists(dead))  # the temporary file of a dead writer
+        self.assertTrue(store.put("next", 1))
+        self.assertFalse(os.path.exists(dead))  # the temporary file of a dead writer, removed at a write
         np.testing.assert_array_equal(store.get("whole"), np.arange(50_000))
         self.assertIsNone(store.get("torn"))  # a miss, and removed
         self.assertFalse(os.path.exists(torn))
@@ -240,8 +241,8 @@ class TestPersistentStore(DistTestCase):
 
     @parameterized.expand([("full", errno.ENOSPC), ("read_only", errno.EROFS)])
     def test_file_system_without_room_at_open(self, _, code):
-        with mock.patch.object(persist, "_write", side_effect=OSError(code, os.strerror(code))):
-            with self.assertWarnsRegex(RuntimeWarning, "cannot open the persistent store"):
+        with mock.patch.object(persist, "_make_private", side_effect=OSError(code, os.strerror(code))):
+            with self.assertWarnsRegex(RuntimeWarning, "cannot make or open the store"):
                 store = self.open()  # the job goes on, without the cache
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # warned once already
@@ -258,13 +259,13 @@ class TestPersistentStore(DistTestCase):
 
     def test_torn_records_are_removed(self):
         self.open().close()
-        torn = [os.path.join(self.path, ".tmp", f"{name}-123-456-0") for name in (".session", ".budget", ".persistent")]
+        torn = [os.path.join(self.path, ".tmp", f"{name}-123-456-0") for name in (".budget", ".budget-1")]
         for path in torn + [os.path.join(self.path, ".budget-mine")]:
             with open(path, "w") as f:
                 f.write("{")  # a write that a killed run left
             os.utime(path, (1, 1))
         self.open().close()  # a new run
-        self.assertEqual([os.path.exists(p) for p in torn], [False] * 3)
+        self.assertEqual([os.path.exists(p) for p in torn], [False] * 2)
         self.assertTrue(os.path.exists(os.path.join(self.path, ".budget-mine")))  # not named as the store names them
 
     def test_budget_of_a_store_in_use_holds(self):
@@ -328,7 +329,7 @@ class TestPersistentStore(DistTestCase):
         for name in (".node-1", ".persistent", "x.item"):
             Path(path, name).write_text(name)
         os.chmod(path, 0o700)
-        with self.assertRaisesRegex(ValueError, "not empty and holds no persistent store"):
+        with self.assertRaisesRegex(ValueError, "holds .* and no store kept across runs"):
             SharedCacheStore(path, persistent=True)
         for name in (".tmp/0", ".counters/0", ".node-1", ".persistent", "x.item"):  # nothing removed or changed
             self.assertEqual(Path(path, name).read_text(), os.path.dirname(name) or name)
@@ -345,7 +346,7 @@ class TestPersistentStore(DistTestCase):
             create_shared_cache(persistent=True)
         os.makedirs(self.path, 0o700)
         open(os.path.join(self.path, "notes.txt"), "w").close()
-        with self.assertRaisesRegex(ValueError, "not empty and holds no persistent store"):
+        with self.assertRaisesRegex(ValueError, "holds .* and no store kept across runs"):
             SharedCacheStore(self.path, persistent=True)
 
     def test_refuses_a_network_file_system(self):
@@ -355,7 +356,7 @@ class TestPersistentStore(DistTestCase):
             f.write("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
             f.write(f"36 22 0:40 / {os.path.realpath(self.tmp)} rw - lustre 10.0.0.1@tcp:/scratch rw\n")
         other = os.path.join(self.tmp, "other", "cache")
-        with mock.patch.object(persist.locks, "_MOUNTINFO", fake):  # sessions rely on flock, local to a node there
+        with mock.patch.object(persist.memory, "MOUNTINFO", fake):  # sessions rely on flock, local to a node there
             for path, kwargs in ((other, {"persistent": True}), (self.path, {"persistent": True}), (self.path, {})):
                 with self.assertRaisesRegex(ValueError, "network file system \\(lustre\\).*node-local file system"):
                     SharedCacheStore(path, **kwargs)

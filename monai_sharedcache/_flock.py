@@ -1,0 +1,89 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+The ``flock`` locks of the layer's own files in a store (its counts, sessions and evictions).
+
+As in the core, who is alive is known from locks that the kernel releases when a process dies, in any PID namespace.
+A lock is held on a descriptor that a forked child closes at once, so a DataLoader worker never holds its parent's.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # Windows: the core's store is not available there, nor is this layer's
+    fcntl = None  # type: ignore[assignment]
+
+_HELD: weakref.WeakSet[Held] = weakref.WeakSet()
+_HOOK = threading.Lock()
+_hooked = False
+
+
+def _close_all() -> None:
+    for held in list(_HELD):  # in a forked child: its parent's locks
+        held.close()
+
+
+class Held:
+    """A locked descriptor of this process, closed in a forked child."""
+
+    def __init__(self, fd: int) -> None:
+        global _hooked
+        self.fd = fd
+        with _HOOK:
+            _HELD.add(self)
+            if not _hooked and hasattr(os, "register_at_fork"):  # at the first lock, never at import
+                os.register_at_fork(after_in_child=_close_all)
+                _hooked = True
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        _HELD.discard(self)
+        if fd >= 0:
+            os.close(fd)
+
+
+def take(fd: int, shared: bool = False, wait: float = 0.0) -> bool:
+    """Lock the file open at ``fd``, polling for up to ``wait`` seconds; whether it was locked."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return True
+        except (BlockingIOError, PermissionError):  # another process holds a conflicting lock
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+
+def hold(at: Any, name: str, shared: bool = False, wait: float = 0.0) -> Held | None:
+    """
+    The file ``name`` of the checked directory ``at`` (made if missing, never through a link), locked; ``None`` if
+    another process holds a conflicting lock for longer than ``wait`` seconds.
+
+    Raises:
+        OSError: the file cannot be opened or made (``ELOOP``: it is a link).
+    """
+    held = Held(at.open(name, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)))
+    try:
+        if take(held.fd, shared, wait):
+            return held
+    except BaseException:
+        held.close()
+        raise
+    held.close()
+    return None

@@ -1,0 +1,155 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+A cap on a store's size (``max_bytes``), and the budget that a store's creator records for all its users.
+
+The core's store keeps a reserve free on its file system, each process by itself. The cap holds for the store, not
+per process: the bytes and the number of its items are counted in the store (``.used``, 16 bytes read and written
+under ``flock``), and a writer reserves an item's bytes there before it writes, so what one process writes every
+other one sees before its next write, and no operation lists the store's directory. What a process killed between
+its reservation and its item leaves counted can only make the count too high, never too low: the store counts its
+items again when the count would refuse an item, and the count changed since it last did.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import numbers
+import os
+import secrets
+import struct
+from typing import Any, Callable
+
+from monai_sharedcache import _flock
+
+ENV_MAX_BYTES = "MONAI_CACHE_MAX_BYTES"  # the cap of new stores, in bytes
+BUDGET_FILE = ".budget"  # {"reserve": ..., "max_bytes": ...}, as the creator recorded them
+USED_FILE = ".used"
+WRITES_DIR = ".writes"  # a file per write under way, locked by its writer, named with the bytes it counted
+_USED = struct.Struct("<qqq")  # bytes, items, and the number of changes: a recount is made once per change
+_LIMIT = 4096  # bytes of a budget record read at most: it is small
+
+
+def check_bytes(name: str, value: Any) -> int | None:
+    """``value`` as a number of bytes (numpy's integers too), or ``None``.
+
+    Raises:
+        ValueError: ``value`` is not ``None`` nor a non-negative integer.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be None or a non-negative integer number of bytes, got {value!r}.")
+    return int(value)
+
+
+def env_bytes(name: str) -> int | None:
+    """The number of bytes in the environment variable ``name``, if set.
+
+    Raises:
+        ValueError: it is set and is not a number of bytes.
+    """
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if not (value.isascii() and value.isdigit()):  # int() would take other digits, such as superscripts
+        raise ValueError(f"{name}={value!r} must be a non-negative number of bytes.")
+    return int(value)
+
+
+def record(tmp: Any, at: Any, reserve: int | None, max_bytes: int | None) -> None:
+    """
+    Record the budget of the store whose directory is ``at``, in place of what was recorded: written in its ``.tmp``
+    (``tmp``), held while written, synced, then renamed. A file that a killed writer left there is unlocked: the
+    store removes it (see ``SharedCacheStore``).
+    """
+    new = f"{BUDGET_FILE}-{os.getpid()}-{secrets.token_hex(8)}"
+    held = _flock.hold(tmp, new)
+    if held is None:
+        raise OSError(errno.EEXIST, "a budget record of that name is held", new)
+    try:
+        os.write(held.fd, json.dumps({"reserve": reserve, "max_bytes": max_bytes}).encode())
+        os.fsync(held.fd)
+        os.replace(new, BUDGET_FILE, src_dir_fd=tmp.fd, dst_dir_fd=at.fd)
+    except BaseException:
+        try:
+            tmp.unlink(new)
+        except OSError:
+            pass
+        raise
+    finally:
+        held.close()
+
+
+def recorded(at: Any) -> tuple[int | None, int | None]:
+    """The ``(reserve, max_bytes)`` recorded in the store ``at``; ``None`` for what cannot be read or is not a number."""
+    try:
+        found = at.open_checked_stat(BUDGET_FILE)
+        if found is None:
+            return None, None
+        with os.fdopen(found[0], "rb") as f:
+            data = json.loads(f.read(_LIMIT))
+    except (OSError, ValueError, RecursionError):
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    values = []
+    for name in ("reserve", "max_bytes"):
+        try:
+            values.append(check_bytes(name, data.get(name)))
+        except ValueError:
+            values.append(None)
+    return values[0], values[1]
+
+
+class Used:
+    """The count of a store's bytes (its writes under way included) and items, for all its processes."""
+
+    def __init__(self, at: Callable[[], Any], recount: Callable[[], tuple[int, int]]) -> None:
+        self.at, self.recount = at, recount  # the store's directory; its items and writes under way, counted in it
+        self._recounted: int | None = None  # the number of changes of the count at the last recount
+
+    def add(
+        self, nbytes: int, items: int = 0, cap: int | None = None, made: Callable[[], object] | None = None
+    ) -> tuple[bool, int]:
+        """
+        Add ``nbytes`` (negative: removed) and ``items`` unless the bytes would pass ``cap``, then ``made()`` under the
+        lock: whether they were added, and the bytes counted before. Past ``cap``, the items are counted anew, once
+        per change of the count.
+
+        Raises:
+            OSError: the count cannot be opened, read or written.
+        """
+        held = _flock.hold(self.at(), USED_FILE, wait=60.0)  # per call: threads too are kept apart by flock
+        if held is None:
+            raise OSError("the count of the store's bytes stays locked")
+        try:
+            data = os.pread(held.fd, _USED.size, 0)
+            used, n, changes = _USED.unpack(data) if len(data) == _USED.size else (*self.recount(), -1)
+            if cap is not None and used + nbytes > cap and changes != self._recounted:  # what killed processes left
+                (used, n), changes = self.recount(), changes + 1
+                os.pwrite(held.fd, _USED.pack(used, n, changes), 0)
+                self._recounted = changes
+            fits = cap is None or used + nbytes <= cap
+            if fits and (nbytes or items):
+                changes += 1
+            if fits or len(data) != _USED.size:
+                os.pwrite(held.fd, _USED.pack(max(0, used + nbytes * fits), max(0, n + items * fits), changes), 0)
+            if fits and made is not None:
+                try:
+                    made()
+                except BaseException:
+                    os.pwrite(held.fd, _USED.pack(used, n, changes), 0)  # not made: not counted
+                    raise
+            return fits, used
+        finally:
+            held.close()

@@ -1,0 +1,174 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import unittest
+import warnings
+from collections import Counter
+from unittest import mock
+
+import torch
+from parameterized import parameterized
+
+from monai.data import CacheDataset, DataLoader, SharedCacheStore
+from monai.transforms import Compose
+from monai_sharedcache import counters as cache_counters
+from tests import test_cachedataset_fill as core
+from tests.test_cachedataset_fill import FORK, TIMEOUT, AddOne, Load, N, computations, needs_fork, needs_store
+from tests.test_utils import DistTestCase, skip_if_quick
+
+ITEM_BYTES = 2 * 4 * 4  # the float32 image of an item
+NO_EVENTS = {"hits": 0, "misses": 0, "computed": 0, "refused": 0}
+
+
+def counts(stats: dict) -> dict:
+    return {k: stats[k] for k in NO_EVENTS}
+
+
+def _count_and_die(store: SharedCacheStore, hits: int) -> None:
+    """In a forked child: read the item ``k`` ``hits`` times and compute ``c``, then die without any cleanup."""
+    for _ in range(hits):
+        store.get_or_compute("k", lambda: -1)
+    store.get_or_compute("c", lambda: 7)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TestStats(DistTestCase):
+    """``CacheDataset.cache_stats`` and the layer store's counts, on the datasets of the core's ``fill`` tests."""
+
+    setUp = core.TestFill.setUp
+    runtime_cache = core.TestFill.runtime_cache
+    dataset = core.TestFill.dataset
+    check_items = core.TestFill.check_items
+
+    @parameterized.expand([("eager",), ("thread",), ("process",), ("list",), ("listproxy",), ("store",)])
+    def test_counts_after_fill(self, mode: str) -> None:
+        ds = self.dataset(mode, num_workers=4)
+        self.assertEqual(sum(computations(self.log).values()), N if mode == "eager" else 0)
+        ds.fill()
+        self.check_items(ds)
+        self.check_items(ds)
+        stats = ds.cache_stats()
+        self.assertEqual(stats["process"], {"hits": 2 * N, "misses": 0, "computed": N, "refused": 0})
+        self.assertEqual(counts(stats["cache"]), stats["process"])  # this process alone used the cache
+        store = mode == "store" or (mode == "process" and SharedCacheStore.supported)
+        proxy = mode == "listproxy" or (mode == "process" and not store)  # not counted: it would copy every item out
+        self.assertEqual(stats["dataset"], {"capacity": N, "filled": None if proxy else N})
+        if proxy:
+            self.assertEqual((stats["cache"]["filled"], stats["cache"]["nbytes"]), (None, None))
+        elif store:  # the item files, with their headers
+            self.assertEqual(stats["cache"]["filled"], N)
+            self.assertGreater(stats["cache"]["nbytes"], N * ITEM_BYTES)
+        else:
+            self.assertEqual((stats["cache"]["filled"], stats["cache"]["nbytes"]), (N, N * ITEM_BYTES))
+
+    def test_lazy_misses_then_hits(self) -> None:
+        ds = self.dataset("thread")
+        self.check_items(ds)
+        self.check_items(ds)
+        self.assertEqual(ds.cache_stats()["process"], {"hits": N, "misses": N, "computed": N, "refused": 0})
+
+    def check_worker_counts(self, context: str) -> None:
+        """Workers count in the store: misses and computations in epoch 1, hits in epoch 2, after they exited."""
+        ds = self.dataset("store")
+        for _ in range(2):
+            loader = DataLoader(ds, batch_size=1, num_workers=2, timeout=TIMEOUT, multiprocessing_context=context)
+            self.assertEqual(sorted(int(b["i"][0]) for b in loader), list(range(N)))
+        stats = ds.cache_stats()
+        self.assertEqual(stats["process"], NO_EVENTS)  # the workers did it all
+        self.assertEqual({**counts(stats["cache"]), "filled": stats["cache"]["filled"]},
+                         {"hits": N, "misses": N, "computed": N, "refused": 0, "filled": N})  # fmt: skip
+        self.assertEqual(computations(self.log), Counter(range(N)))
+
+    @needs_store
+    @needs_fork
+    def test_store_counts_forked_workers(self) -> None:
+        self.check_worker_counts("fork")
+
+    @skip_if_quick
+    @needs_store
+    def test_store_counts_spawned_workers(self) -> None:
+        self.check_worker_counts("spawn")
+
+    @parameterized.expand([("thread",), ("store",)])
+    def test_hash_as_key_counts(self, mode: str) -> None:
+        data = [3, 1, 3, 0, 1, 2]
+        ds = self.dataset(mode, data, hash_as_key=True)
+        ds.fill()
+        self.check_items(ds, data)
+        self.assertEqual(ds.cache_stats()["process"], {"hits": 6, "misses": 0, "computed": 4, "refused": 0})
+
+    def test_two_datasets_in_one_store(self) -> None:
+        """A train and a validation dataset in one store: each counts its own slots, and the store holds both."""
+        store = self.runtime_cache("store")
+        train = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        train.fill()
+        val = CacheDataset([100, 101, 102], Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        val[0]
+        self.assertEqual(train.cache_stats()["dataset"], {"capacity": N, "filled": N})
+        self.assertEqual(val.cache_stats()["dataset"], {"capacity": 3, "filled": 1})
+        self.assertEqual(val.cache_stats()["cache"]["filled"], N + 1)
+
+    def test_counts_without_a_runtime_cache(self) -> None:
+        ds = self.dataset("eager", cache_rate=0.5)
+        ds.fill()
+        stats = ds.cache_stats()
+        self.assertEqual((stats["cache"]["filled"], stats["dataset"]), (N // 2, {"capacity": N // 2, "filled": N // 2}))
+        self.assertEqual(stats["process"], {**NO_EVENTS, "computed": N // 2})
+
+    @parameterized.expand([("budget",), ("fault",)])
+    @needs_store
+    def test_refused_items_are_counted(self, why: str) -> None:
+        """Items that the store cannot keep (past its budget, or after a fault) are computed and counted as refused."""
+        store = self.runtime_cache("store", reserve=0, max_bytes=0 if why == "budget" else None)
+        if why == "fault":  # every write of an item fails: its temporary directory is a file
+            shutil.rmtree(os.path.join(store.path, ".tmp"))
+            open(os.path.join(store.path, ".tmp"), "w").close()
+        ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ds.fill()
+            self.check_items(ds)  # computed again: nothing was stored
+        self.assertEqual(len(caught), 1, [str(w.message) for w in caught])
+        self.assertIn("max_bytes" if why == "budget" else "cannot write", str(caught[0].message))
+        self.assertEqual(computations(self.log), Counter(dict.fromkeys(range(N), 2)))
+        stats = ds.cache_stats()
+        self.assertEqual(stats["process"], {"hits": 0, "misses": N, "computed": 2 * N, "refused": 2 * N})
+        self.assertEqual(store.stats(), {"filled": 0, "nbytes": 0, **stats["process"]})
+
+    @needs_store
+    @needs_fork
+    def test_counts_of_killed_processes_are_kept_and_their_slots_reused(self) -> None:
+        """Processes SIGKILLed without cleanup keep their counts; their slots are reused: as many as processes at once."""
+        with mock.patch.object(cache_counters, "_MAX_SLOTS", 2):  # this process and one child at a time
+            store = self.runtime_cache("store")
+            store.put("k", torch.zeros(10))
+            self.assertEqual(store.get_or_compute("k", lambda: -1).sum(), 0)
+            for hits in range(1, 6):
+                child = FORK.Process(target=_count_and_die, args=(store, hits))  # type: ignore[union-attr]
+                child.start()
+                child.join(TIMEOUT)
+                if child.is_alive():
+                    child.kill()
+                    child.join(TIMEOUT)
+                self.assertEqual(child.exitcode, -signal.SIGKILL)
+                self.assertEqual(len(os.listdir(os.path.join(store.path, ".counters"))), 2)
+                store.discard(["c"])  # so that the next child computes it again
+        self.assertEqual(counts(store.stats()), {"hits": 1 + 15, "misses": 5, "computed": 5, "refused": 0})
+        self.assertEqual(store.process_stats(), {"hits": 1, "misses": 0, "computed": 0, "refused": 0})
+
+
+if __name__ == "__main__":
+    unittest.main()
