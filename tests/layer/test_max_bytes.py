@@ -11,11 +11,10 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
-import shutil
 import struct
-import tempfile
 import unittest
 import warnings
 from unittest import mock
@@ -25,6 +24,7 @@ from parameterized import parameterized
 
 from monai.data import SharedCacheStore
 from monai_sharedcache import budget
+from tests import test_cache_store_reserve as core
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 TIMEOUT = 120
@@ -59,28 +59,11 @@ def _killed_writer(path: str) -> None:
     SharedCacheStore(path).put("killed", np.ones(40_000))
 
 
-def _warnings(caught: list) -> list[str]:
-    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-
-
 @needs_store
 class TestMaxBytes(unittest.TestCase):
-    def setUp(self) -> None:
-        self.root = tempfile.mkdtemp()
-        self.addCleanup(shutil.rmtree, self.root, True)
-
-    def new_store(self, **kwargs) -> SharedCacheStore:
-        store = SharedCacheStore(root=self.root, **kwargs)
-        self.addCleanup(store.close)
-        return store
-
-    def refuse(self, store: SharedCacheStore, item=1) -> str:
-        """Put an item that the budget refuses; the one warning."""
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            self.assertFalse(store.put("refused", item))
-        (message,) = _warnings(caught)
-        return message
+    setUp = core.TestReserve.setUp
+    new_store = functools.partialmethod(core.TestReserve.new_store, SharedCacheStore)  # the layer's store
+    refuse = core.TestReserve.refuse
 
     def items(self, store: SharedCacheStore) -> list[str]:
         return [n for n in os.listdir(store.path) if n.endswith(".item")]
@@ -93,7 +76,7 @@ class TestMaxBytes(unittest.TestCase):
                 item = store.get_or_compute(f"k{i}", lambda i=i: np.full(40_000, float(i)))
                 np.testing.assert_array_equal(item, np.full(40_000, float(i)))  # stored or not, the right item
         self.assertEqual(sorted(self.items(store)), ["k0.item", "k1.item", "k2.item"])
-        (message,) = _warnings(caught)  # once per process
+        (message,) = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]  # once per process
         for option in ("max_bytes", "--shm-size", "--ipc=host", "MONAI_CACHE_ROOT"):
             self.assertIn(option, message)
         proc = multiprocessing.get_context().Process(target=_refused_elsewhere, args=(store.path,))
@@ -149,10 +132,6 @@ class TestMaxBytes(unittest.TestCase):
                 warnings.simplefilter("ignore")
                 refused = [store.put(key, np.ones(40_000)) for key in "cde"]
         self.assertEqual((refused, recount.call_count), ([False] * 3, 2))  # made again once: nothing changed since
-
-    def used(self, store: SharedCacheStore) -> tuple[int, int]:
-        with open(os.path.join(store.path, budget.USED_FILE), "rb") as f:
-            return struct.unpack("<qqq", f.read())[:2]
 
     def test_environment(self):
         sub = os.path.join(self.root, "elsewhere")
