@@ -18,7 +18,6 @@ A lock is held on a descriptor that a forked child closes at once, so a DataLoad
 from __future__ import annotations
 
 import os
-import threading
 import time
 import weakref
 from typing import Any
@@ -29,8 +28,6 @@ except ImportError:  # Windows: the core's store is not available there, nor is 
     fcntl = None  # type: ignore[assignment]
 
 _HELD: weakref.WeakSet[Held] = weakref.WeakSet()
-_HOOK = threading.Lock()
-_hooked = False
 
 
 def _close_all() -> None:
@@ -38,23 +35,22 @@ def _close_all() -> None:
         held.close()
 
 
+if hasattr(os, "register_at_fork"):  # a module of the layer's store, imported at a store's first use
+    os.register_at_fork(after_in_child=_close_all)
+
+
 class Held:
-    """A locked descriptor of this process, closed in a forked child."""
+    """A locked descriptor of this process, closed in a forked child, and when it is garbage."""
 
     def __init__(self, fd: int) -> None:
-        global _hooked
         self.fd = fd
-        with _HOOK:
-            _HELD.add(self)
-            if not _hooked and hasattr(os, "register_at_fork"):  # at the first lock, never at import
-                os.register_at_fork(after_in_child=_close_all)
-                _hooked = True
+        self._closer = weakref.finalize(self, os.close, fd)
+        _HELD.add(self)
 
     def close(self) -> None:
-        fd, self.fd = self.fd, -1
+        self.fd = -1
         _HELD.discard(self)
-        if fd >= 0:
-            os.close(fd)
+        self._closer()  # once: a second call does nothing
 
 
 def take(fd: int, shared: bool = False, wait: float = 0.0) -> bool:

@@ -34,6 +34,7 @@ from monai_sharedcache import _flock
 ENV_MAX_BYTES = "MONAI_CACHE_MAX_BYTES"  # the cap of new stores, in bytes
 BUDGET_FILE = ".budget"  # {"reserve": ..., "max_bytes": ...}, as the creator recorded them
 USED_FILE = ".used"
+RECORDS_DIR = ".records"  # budget records being written, each locked by its writer
 WRITES_DIR = ".writes"  # a file per write under way, locked by its writer, named with the bytes it counted
 _USED = struct.Struct("<qqq")  # bytes, items, and the number of changes: a recount is made once per change
 _LIMIT = 4096  # bytes of a budget record read at most: it is small
@@ -68,9 +69,9 @@ def env_bytes(name: str) -> int | None:
 
 def record(tmp: Any, at: Any, reserve: int | None, max_bytes: int | None) -> None:
     """
-    Record the budget of the store whose directory is ``at``, in place of what was recorded: written in its ``.tmp``
-    (``tmp``), held while written, synced, then renamed. A file that a killed writer left there is unlocked: the
-    store removes it (see ``SharedCacheStore``).
+    Record the budget of the store whose directory is ``at``, in place of what was recorded: written in ``tmp``
+    (the store's ``.records``), held while written, synced, then renamed. A file that a killed writer left there is
+    unlocked: the store removes it when it starts a session.
     """
     new = f"{BUDGET_FILE}-{os.getpid()}-{secrets.token_hex(8)}"
     held = _flock.hold(tmp, new)
@@ -114,9 +115,37 @@ def recorded(at: Any) -> tuple[int | None, int | None]:
 class Used:
     """The count of a store's bytes (its writes under way included) and items, for all its processes."""
 
-    def __init__(self, at: Callable[[], Any], recount: Callable[[], tuple[int, int]]) -> None:
+    def __init__(
+        self, at: Callable[[], Any], recount: Callable[[], tuple[int, int]], under_way: Callable[[], bool]
+    ) -> None:
         self.at, self.recount = at, recount  # the store's directory; its items and writes under way, counted in it
+        self.under_way = under_way  # whether writes are under way: one of them may have died since the last recount
         self._recounted: int | None = None  # the number of changes of the count at the last recount
+
+    def _lock(self) -> _flock.Held:
+        held = _flock.hold(self.at(), USED_FILE, wait=60.0)  # per call: threads too are kept apart by flock
+        if held is None:
+            raise OSError(errno.EAGAIN, "the count of the store's bytes stays locked", USED_FILE)
+        return held
+
+    def remove(self, remove: Callable[[], tuple[int, int]]) -> None:
+        """
+        ``remove()`` the items it removes, and the bytes and number that it returns, under the count's lock: a recount
+        made meanwhile by another process never sees them gone before they are subtracted (which would count them out
+        twice, and let the store pass its cap).
+
+        Raises:
+            OSError: the count cannot be locked (``remove`` is not called).
+        """
+        held = self._lock()
+        try:
+            nbytes, items = remove()
+            data = os.pread(held.fd, _USED.size, 0)
+            if len(data) == _USED.size and (nbytes or items):
+                used, n, changes = _USED.unpack(data)
+                os.pwrite(held.fd, _USED.pack(max(0, used - nbytes), max(0, n - items), changes + 1), 0)
+        finally:
+            held.close()
 
     def add(
         self, nbytes: int, items: int = 0, cap: int | None = None, made: Callable[[], object] | None = None
@@ -129,14 +158,12 @@ class Used:
         Raises:
             OSError: the count cannot be opened, read or written.
         """
-        held = _flock.hold(self.at(), USED_FILE, wait=60.0)  # per call: threads too are kept apart by flock
-        if held is None:
-            raise OSError("the count of the store's bytes stays locked")
+        held = self._lock()
         try:
             data = os.pread(held.fd, _USED.size, 0)
             used, n, changes = _USED.unpack(data) if len(data) == _USED.size else (*self.recount(), -1)
-            if cap is not None and used + nbytes > cap and changes != self._recounted:  # what killed processes left
-                (used, n), changes = self.recount(), changes + 1
+            if cap is not None and used + nbytes > cap and (changes != self._recounted or self.under_way()):
+                (used, n), changes = self.recount(), changes + 1  # less what killed processes left counted
                 os.pwrite(held.fd, _USED.pack(used, n, changes), 0)
                 self._recounted = changes
             fits = cap is None or used + nbytes <= cap

@@ -98,11 +98,11 @@ class Counters:
         """The counts of all the processes, alive or not, that counted in the store (this process's without one)."""
         sums, found = [0] * len(FIELDS), False
         try:
-            at = self._slots() if self._slots is not None else None
+            at: Any = self._slots() if self._slots is not None else None
             names = at.names() if at is not None else []
         except OSError:
-            at, names = None, []
-        for name in names if at is not None else []:
+            names = []
+        for name in names:
             try:
                 got = at.open_checked_stat(name)
             except OSError:

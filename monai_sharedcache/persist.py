@@ -44,7 +44,6 @@ USERS = ".users"  # held shared by every user of the store, exclusively by the o
 _EVICT = ".evict"  # held exclusively by the process that evicts
 _NETWORK_FS = ("nfs", "nfs4", "lustre", "fuse", "cifs", "smb3", "ceph", "glusterfs", "gpfs", "beegfs", "9p")
 _WAIT = 10.0  # seconds to wait for the short exclusive locks of another process
-_TOUCH_NS = 1_000_000_000  # an access time is renewed at most once a second
 
 
 def version_tag() -> str:
@@ -126,8 +125,10 @@ def check_files(at: Any, names: tuple[str, ...]) -> None:
             sub = os.open(name, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW, dir_fd=at.fd)
             try:
                 for inner in os.listdir(sub):
-                    problem = problem or _problem(os.stat(inner, dir_fd=sub, follow_symlinks=False))
-                    name = name if problem is None else os.path.join(name, inner)
+                    problem = _problem(os.stat(inner, dir_fd=sub, follow_symlinks=False))
+                    if problem is not None:
+                        name = os.path.join(name, inner)
+                        break
             finally:
                 os.close(sub)
         if problem is not None:
@@ -155,8 +156,8 @@ def _problem(st: os.stat_result) -> str | None:
 def join(at: Any) -> tuple[_flock.Held, bool]:
     """
     Use the persistent store ``at``: the lock on ``.users`` held shared, and whether this process starts a session
-    (no other process used the store). The caller starts it with :py:func:`start_session` before it calls
-    :py:func:`joined`, which lets the other users in.
+    (no other process used the store, or the one that started it died before it made ``.session``). The caller
+    starts it with :py:func:`start_session` before it calls :py:func:`joined`, which lets the other users in.
     """
     held = _flock.hold(at, USERS)
     if held is not None:
@@ -164,6 +165,10 @@ def join(at: Any) -> tuple[_flock.Held, bool]:
     held = _flock.hold(at, USERS, shared=True, wait=_WAIT)
     if held is None:
         raise OSError(errno.EAGAIN, "another process holds the store's lock exclusively", at.path)
+    try:
+        at.stat(SESSION)
+    except FileNotFoundError:
+        return held, True
     return held, False
 
 
@@ -205,7 +210,7 @@ def touch(at: Any, name: str, st: os.stat_result, start: int) -> bool:
     read before the use (a read may set it too). Whether it was the first use in this session of an earlier item.
     """
     now = time.time_ns()
-    if st.st_atime_ns >= start and now - st.st_atime_ns <= _TOUCH_NS:  # renewed once a second at most
+    if st.st_atime_ns >= start:  # used in this session already: never evicted in it, so no need to write its inode
         return False
     try:
         if at.stat(name).st_ino != st.st_ino:  # replaced meanwhile

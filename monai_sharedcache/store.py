@@ -55,6 +55,7 @@ _OWN = (
     budget.BUDGET_FILE,
     budget.USED_FILE,
     budget.WRITES_DIR,
+    budget.RECORDS_DIR,
     persist.SESSION,
     persist.USERS,
     ".evict",
@@ -156,12 +157,12 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         at = self._at()
         if at is None:  # no room to make it, or gone: nothing of the layer's to open
             return
-        if persistent or _exists(at, persist.SESSION):
+        if persistent or _exists(at, persist.USERS) or _exists(at, persist.SESSION):  # joined without the flag too
             self._open_persistent(reserve, max_bytes, env_max)
         elif path is None:
             self.max_bytes = max_bytes = env_max if max_bytes is None else max_bytes
             try:
-                budget.record(self.subdir(".tmp"), at, self.reserve, max_bytes)
+                budget.record(self.subdir(budget.RECORDS_DIR), at, self.reserve, max_bytes)
             except OSError as err:
                 self._fault_layer("cannot record the budget", err)
         else:
@@ -181,7 +182,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         self.durable = self._evictable = session is not None
         self._room = threading.local()  # the bytes that the current put of each thread reserved in the count
         self._writes_dir: Any = None
-        self._used = budget.Used(lambda: self.directory, self._recount)
+        self._used = budget.Used(lambda: self.directory, self._recount, lambda: bool(self._writes().names()))
         ref = weakref.ref(self)  # not the store itself: its counts would keep it alive
         slots = lambda: cast(SharedCacheStore, ref()).subdir(counters.SLOTS_DIR)  # noqa: E731
         self._counters = counters.Counters(slots, persistent=session is not None)
@@ -191,7 +192,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         at = self.directory
         try:
             persist.check_local(self.path)
-            persist.check_files(at, _OWN + (".tmp",))
+            persist.check_files(at, _OWN)
             held, first = persist.join(at)
         except BaseException as err:
             self.close()
@@ -212,12 +213,12 @@ class SharedCacheStore(cache_store.SharedCacheStore):
                         reserve = (
                             self.reserve if self.reserve is not None else max(min(total // 2, 4 << 30), total // 10)
                         )
-                    budget.record(self.subdir(".tmp"), at, reserve, max_bytes)
+                    budget.record(self.subdir(budget.RECORDS_DIR), at, reserve, max_bytes)
                 elif reserve is not None or max_bytes is not None:
                     reserve, max_bytes = old[0] if reserve is None else reserve, (
                         old[1] if max_bytes is None else max_bytes
                     )
-                    budget.record(self.subdir(".tmp"), at, reserve, max_bytes)
+                    budget.record(self.subdir(budget.RECORDS_DIR), at, reserve, max_bytes)
                 counters.reset(self.subdir(counters.SLOTS_DIR))
                 persist.start_session(at)
             else:
@@ -245,8 +246,8 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             )
 
     def _clean_own_temps(self) -> None:
-        """Remove the budget records that killed runs left half written in ``.tmp``: only names that the layer makes."""
-        tmp = self.subdir(".tmp")
+        """Remove the budget records that killed runs left half written: unlocked files of the layer's own directory."""
+        tmp = self.subdir(budget.RECORDS_DIR)
         for name in tmp.names():
             if name.startswith(budget.BUDGET_FILE + "-"):
                 held = _flock.hold(tmp, name)
@@ -328,7 +329,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
 
     def put(self, key: str, item: Any) -> bool:
         room = self._room
-        room.reserved, room.active, room.held = 0, True, None
+        room.reserved, room.active, room.held, room.uncounted = 0, True, None, False
         before = self._size(self.file_stem(key) + ".item")  # another process's copy of the item, if any
         try:
             stored = super().put(key, item)
@@ -338,9 +339,11 @@ class SharedCacheStore(cache_store.SharedCacheStore):
                 at, name, held = room.held
                 _unlink(at, name)
                 held.close()
-        if stored:
-            self._count(-before, 0 if before else 1)  # its bytes were counted when they were reserved
-        else:
+        if stored and room.uncounted:
+            self._count(self._size(self.file_stem(key) + ".item"), 0 if before else 1)
+        elif stored and not before:  # its bytes were counted when they were reserved; a replaced item's stay counted
+            self._count(0, 1)  # until a recount: counted out before it is gone, it could let the store pass its cap
+        elif not stored:
             self._count(-room.reserved)
             self._counters.add(counters.REFUSED)
         return stored
@@ -353,10 +356,17 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         """
         why = self._room_for(nbytes)
         if why is not None and self._evictable and self._session is not None:
-            freed = persist.evict(self.directory, self._session, lambda found: self._excess(found, nbytes))
-            self._evictable = freed is not None
-            if freed:
-                self._count(-freed[0], -freed[1])
+            evicted: list = []
+
+            def evict() -> tuple[int, int]:
+                evicted.append(
+                    persist.evict(self.directory, cast(int, self._session), lambda f: self._excess(f, nbytes))
+                )
+                return evicted[0] or (0, 0)
+
+            self._locked(evict)
+            self._evictable = bool(evicted) and evicted[0] is not None
+            if evicted and evicted[0]:
                 why = self._room_for(nbytes)
         return why
 
@@ -366,8 +376,9 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             return why
         try:
             fits, used = self._used.add(nbytes, cap=self.max_bytes, made=lambda: self._under_way(nbytes))
-        except OSError:  # the write itself will tell what is wrong
-            return None
+        except OSError as err:  # without a count, a cap cannot hold; else the item is counted once written
+            self._room.uncounted = True
+            return None if self.max_bytes is None else f"the count of its bytes cannot be updated ({err})"
         if not fits:
             return f"the store holds {used / 2**20:.0f} MiB and its cap is max_bytes={self.max_bytes}"
         self._room.reserved = nbytes
@@ -393,8 +404,9 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         """The bytes to remove for an item of ``nbytes`` to fit, of the items ``found`` in the store."""
         excess = 0 if self.max_bytes is None else sum(f[2] for f in found) + nbytes - self.max_bytes
         space = self.free_space()
-        if space is not None and self.reserve is not None:
-            excess = max(excess, self.reserve - (space[0] - nbytes))
+        if space is not None:  # the core's default reserve, where none was recorded
+            reserve = min(space[1] // 2, 4 << 30) if self.reserve is None else self.reserve
+            excess = max(excess, reserve - (space[0] - nbytes))
         return excess
 
     def _count(self, nbytes: int, items: int = 0) -> None:
@@ -419,32 +431,39 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         nbytes = sum(f[2] for f in found)
         try:
             at = self._writes()
-            for name in at.names():
-                held = _flock.hold(at, name)
-                if held is None:  # its writer is alive
-                    nbytes += int(name.rsplit("-", 1)[-1]) if name.rsplit("-", 1)[-1].isdigit() else 0
-                else:
-                    _unlink(at, name)
-                    held.close()
+            names = at.names()
         except OSError:
-            pass
+            names = []
+        for name in names:
+            try:
+                held = _flock.hold(at, name)
+            except OSError:  # counted, as if alive: never too low
+                held = None
+            if held is None:  # its writer is alive
+                end = name.rsplit("-", 1)[-1]
+                nbytes += int(end) if end.isdigit() else 0
+            else:
+                _unlink(at, name)
+                held.close()
         return nbytes, len(found)
 
     def discard(self, keys: Iterable[str]) -> None:
-        removed = 0
-        for key in keys:
-            name = self.file_stem(key) + ".item"
-            size = self._size(name)
-            super().discard([key])
-            if size and not self._size(name):
-                self._count(-size, -1)
-            removed += 1
-        if removed:  # kept mappings of removed items would pin their pages
+        keys = list(keys)
+
+        def remove() -> tuple[int, int]:
+            sizes = [self._size(self.file_stem(key) + ".item") for key in keys]
+            super(SharedCacheStore, self).discard(keys)
+            gone = [size for key, size in zip(keys, sizes) if size and not self._size(self.file_stem(key) + ".item")]
+            return sum(gone), len(gone)
+
+        self._locked(remove)
+        if keys:  # kept mappings of removed items would pin their pages
             self._purge()
 
     def clear(self) -> None:
         """Remove every item of the store, of any dataset or run; processes that use it go on, and miss."""
-        if self._at() is not None:
+
+        def remove() -> tuple[int, int]:
             removed = gone = 0
             for _, _, size, name in persist.items(self.directory):
                 try:
@@ -452,8 +471,18 @@ class SharedCacheStore(cache_store.SharedCacheStore):
                     removed, gone = removed + size, gone + 1
                 except OSError:
                     pass
-            self._count(-removed, -gone)
+            return removed, gone
+
+        if self._at() is not None:
+            self._locked(remove)
         self._purge()
+
+    def _locked(self, remove: Callable[[], tuple[int, int]]) -> None:
+        """``remove()`` items under the count's lock, and count them out; without a count, remove them all the same."""
+        try:
+            self._used.remove(remove)
+        except OSError:
+            remove()
 
     def count(self, keys: Iterable[str]) -> int:
         """The number of ``keys`` whose item is stored now (one ``stat`` each): a dataset's share of the store."""

@@ -134,7 +134,9 @@ class TestLeftovers(unittest.TestCase):
         SharedCacheStore.mark_kept(kept)  # a store kept already: nothing to do
         store = SharedCacheStore(kept)
         self.assertTrue(store.put("a", 1))
-        store.close()  # its last user
+        with mock.patch.object(locks, "try_hold", wraps=locks.try_hold) as try_hold:
+            store.close()  # its last user: never takes the lock exclusively, so a process that joins is never refused
+        self.assertEqual(try_hold.call_count, 0)
         _backdate(kept, 60)
         self.new_store()  # cleans the leftovers of this root
         self.assertEqual(SharedCacheStore(kept).get("a"), 1)

@@ -257,9 +257,18 @@ class TestPersistentStore(DistTestCase):
             joined.clear()  # of a store it could not open: nothing
         self.assertEqual((joined.get("k"), self.open().get("k")), (None, 4))
 
+    def test_a_session_that_its_starter_left_unmade_is_started_by_the_next_user(self):
+        first = self.open()
+        self.assertTrue(first.put("a", 1))
+        os.unlink(os.path.join(self.path, ".session"))  # as a first user killed before it made it
+        joined = SharedCacheStore(self.path)  # another user, without the flag: still persistent, and starts it
+        self.addCleanup(joined.close)
+        self.assertTrue(joined.persistent and os.path.exists(os.path.join(self.path, ".session")))
+        self.assertEqual((joined.get("a"), first.get("a")), (1, 1))  # one key for both: the version tag
+
     def test_torn_records_are_removed(self):
         self.open().close()
-        torn = [os.path.join(self.path, ".tmp", f"{name}-123-456-0") for name in (".budget", ".budget-1")]
+        torn = [os.path.join(self.path, ".records", f"{name}-123-456-0") for name in (".budget", ".budget-1")]
         for path in torn + [os.path.join(self.path, ".budget-mine")]:
             with open(path, "w") as f:
                 f.write("{")  # a write that a killed run left
