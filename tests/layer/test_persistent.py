@@ -26,10 +26,9 @@ import numpy as np
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, SharedCacheStore
-from monai_sharedcache import persist
-from monai.data import create_shared_cache
+from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
 from monai.transforms import Compose, RandomizableTransform, Transform
+from monai_sharedcache import persist
 from tests.test_utils import DistCall, DistTestCase
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
