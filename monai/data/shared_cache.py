@@ -19,6 +19,7 @@ the store it returns is passed to ``CacheDataset(..., runtime_cache=store)``.
 
 from __future__ import annotations
 
+import numbers
 import os
 import socket
 from datetime import timedelta
@@ -161,9 +162,9 @@ def create_shared_cache(
 
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows), on every rank before any collective call.
-        ValueError: ``timeout`` is not positive, this process is not a member of ``group``, or ``timeout`` is given
-            with a subgroup that is not a gloo group.
-        RuntimeError: on every rank, if any node's store could not be made (a negative ``reserve``, say) or any rank
+        ValueError: ``timeout`` is not positive, ``reserve`` is not a non-negative integer, this process is not a
+            member of ``group``, or ``timeout`` is given with a subgroup that is not a gloo group.
+        RuntimeError: on every rank, if any node's store could not be made or any rank
             could not attach to its node's store (ranks on different machines with one node identity, say); the
             message names the ranks and errors.
             Errors of the collectives themselves (a timeout) are raised as ``torch.distributed`` raises them.
@@ -178,6 +179,8 @@ def create_shared_cache(
     """
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
+    if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, numbers.Integral) or reserve < 0):
+        raise ValueError(f"reserve must be None or a non-negative number of bytes, got {reserve!r}.")  # every rank
     if not (SharedCacheStore.supported and getattr(store_type, "supported", True)):
         raise NotImplementedError(
             "create_shared_cache needs SharedCacheStore, which needs fcntl file locks, missing on this platform. Give "
