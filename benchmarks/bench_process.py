@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-``runtime_cache="process"`` before and after PR 06, which makes it the store: pristine MONAI 1.6.1 (a ``Manager``
+``runtime_cache="process"`` before and after PR 05, which makes it the store: pristine MONAI 1.6.1 (a ``Manager``
 list) against the fork, where the users of ``"process"`` run today (``python benchmarks/bench_process.py``, as root
 for the 64 MB ``/dev/shm``, which needs a mount namespace):
 

@@ -48,7 +48,7 @@ def _slow_writer(store: SharedCacheStore, conn) -> None:
     real = os.pwrite  # each write of the item is of a page, and tells the parent that the temporary file exists
 
     def slow(fd: int, data, at: int) -> int:
-        if memoryview(data).nbytes <= 16:  # not the item: the store's count of bytes and items (PR 05)
+        if memoryview(data).nbytes <= 16:  # not the item: the store's count of bytes and items (the fork's layer)
             return real(fd, data, at)
         conn.send(1)
         time.sleep(0.01)
@@ -102,51 +102,6 @@ class TestLeftovers(unittest.TestCase):
             left = [] if how == "cleanup_leftovers" else [os.path.basename(self.new_store().path)]
         self.assertEqual(os.listdir(self.root), left)
 
-    def test_directory_without_lock_file(self):
-        creating = _made(self.root)  # its creator may be making it, or died
-        os.mkdir(os.path.join(self.root, "not-a-store"))
-        _backdate(os.path.join(self.root, "not-a-store"), 2 * LONG)
-        with mock.patch.object(locks, "_MIN_AGE", LONG):
-            self.assertEqual(locks.cleanup_leftovers(self.root), [])  # young: kept
-            _backdate(creating, 2 * LONG)
-            self.assertEqual(locks.cleanup_leftovers(self.root), [creating])
-        creating = _made(self.root)
-        _backdate(creating, 60)  # a minute is old enough with the real minimum age
-        self.assertEqual(locks.cleanup_leftovers(self.root), [creating])
-        self.assertEqual(os.listdir(self.root), ["not-a-store"])  # only stores are removed
-
-    def test_directory_named_so_without_the_mark_kept(self):
-        mine = os.path.join(self.root, locks.PREFIX + "mine")  # named like a store, made by the user
-        os.mkdir(mine, 0o700)
-        for name in (".lock", "a.item", "notes.txt"):
-            with open(os.path.join(mine, name), "w") as f:
-                f.write(name)
-        _backdate(mine, 60)  # as old as a crashed run's store
-        self.new_store()  # cleans the leftovers of this root
-        self.assertEqual(sorted(os.listdir(mine)), [".lock", "a.item", "notes.txt"])
-
-    def test_a_kept_store_is_never_removed(self):
-        """A store that ``mark_kept`` made (for a subclass that keeps items across runs): no last user removes it."""
-        kept = os.path.join(self.root, locks.PREFIX + "kept")  # named as a store, and as old as a crashed run's
-        os.mkdir(kept, 0o700)
-        os.close(os.open(os.path.join(kept, ".lock"), os.O_CREAT | os.O_WRONLY, 0o600))  # as an interrupted call left
-        SharedCacheStore.mark_kept(kept)
-        SharedCacheStore.mark_kept(kept)  # a store kept already: nothing to do
-        store = SharedCacheStore(kept)
-        self.assertTrue(store.put("a", 1))
-        with mock.patch.object(locks, "try_hold", wraps=locks.try_hold) as try_hold:
-            store.close()  # its last user: never takes the lock exclusively, so a process that joins is never refused
-        self.assertEqual(try_hold.call_count, 0)
-        _backdate(kept, 60)
-        self.new_store()  # cleans the leftovers of this root
-        self.assertEqual(SharedCacheStore(kept).get("a"), 1)
-        mine = os.path.join(self.root, "mine")
-        os.mkdir(mine, 0o700)
-        open(os.path.join(mine, "notes.txt"), "w").close()
-        with self.assertRaisesRegex(ValueError, "holds \\['notes.txt'\\] and no store kept"):
-            SharedCacheStore.mark_kept(mine)
-        self.assertEqual(os.listdir(mine), ["notes.txt"])  # nothing made in it
-
     def test_store_in_use_kept(self):
         store = self.new_store()
         reader = pickle.loads(pickle.dumps(store))  # what a DataLoader worker gets: it does not participate
@@ -161,21 +116,6 @@ class TestLeftovers(unittest.TestCase):
         event.set()
         proc.join(TIMEOUT)
         self.assertEqual((proc.exitcode, os.path.exists(store.path)), (0, False))  # the last one removed it
-
-    def test_not_on_a_network_file_system(self):
-        leftover = _made(self.root)
-        _backdate(leftover, 60)  # a crashed run's store: removed, on a node-local file system
-        fake = os.path.join(self.root, "mountinfo")
-        with open(fake, "w") as f:
-            f.write("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
-            f.write(f"36 22 0:40 / {os.path.realpath(self.root)} rw - nfs4 server:/export rw\n")
-        with mock.patch.object(locks, "_MOUNTINFO", fake):
-            self.assertEqual(locks.fs_type(os.path.join(self.root, "x")), "nfs4")
-            with self.assertWarnsRegex(RuntimeWarning, "network file system \\(nfs4\\).*not removed"):
-                self.assertEqual(locks.cleanup_leftovers(self.root), [])  # its lock may be another node's
-            self.assertTrue(os.path.isdir(leftover))
-            self.assertEqual(locks.fs_type("/elsewhere"), "ext4")
-        self.assertEqual(locks.cleanup_leftovers(self.root), [leftover])
 
     def test_temp_files_of_writers(self):
         store = self.new_store()

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import errno
-import gc
 import os
 import pickle
 import shutil
@@ -67,50 +66,6 @@ class TestReserve(unittest.TestCase):
         self.assertEqual((full.get_or_compute("k", lambda: 3), self.items(full), full.get("k")), (3, [], None))
         self.assertTrue(self.new_store(reserve=0).put("k", np.ones(10)))
 
-    def test_default_reserve_of_the_room_a_subclass_reports(self):
-        with mock.patch.dict(os.environ, {"MONAI_CACHE_RESERVE_BYTES": ""}):
-            store = self.new_store(_Narrow)
-        self.assertIsNone(store.room_for(2**20))  # 40 - 1 MiB >= 32 MiB: half of Docker's default /dev/shm
-        self.assertTrue(store.put("fits", np.ones(2**20 // 8)))
-        self.assertIn("32 MiB are kept free", store.room_for(9 * 2**20))  # 40 - 9 MiB < 32 MiB
-        self.assertIn("32 MiB are kept free", self.refuse(store, np.ones(9 * 2**20 // 8)))
-        with mock.patch.dict(os.environ, {"MONAI_CACHE_RESERVE_BYTES": ""}):
-            plain = self.new_store()
-        with mock.patch("os.statvfs") as statvfs:  # 5 GiB free of 256 GiB: at most 4 GiB are kept
-            statvfs.return_value = mock.Mock(f_bavail=5 * 2**18, f_blocks=64 * 2**20, f_frsize=4096)
-            self.assertIsNone(plain.room_for(2**30 - 4096))
-            self.assertIn("4096 MiB are kept free", plain.room_for(2**30 + 4096))
-
-    def test_each_process_keeps_its_reserve(self):
-        store = self.new_store(reserve=0)
-        joined = SharedCacheStore(store.path, reserve=2**62)
-        self.addCleanup(joined.close)
-        self.assertIn("(reserve)", self.refuse(joined))
-        self.assertTrue(store.put("k", 1))
-        copy = pickle.loads(pickle.dumps(joined))  # a DataLoader worker's copy keeps it
-        self.assertEqual((copy.reserve, copy.get("k")), (2**62, 1))
-
-    def test_environment(self):
-        with mock.patch.dict(os.environ, {"MONAI_CACHE_RESERVE_BYTES": str(2**62)}):
-            store = self.new_store()
-        self.assertIn("(reserve)", self.refuse(store))
-        store.close()
-        with mock.patch.dict(os.environ, {"MONAI_CACHE_ROOT": os.path.join(self.root, "missing")}):
-            with self.assertRaisesRegex(FileNotFoundError, "MONAI_CACHE_ROOT"):
-                SharedCacheStore()
-        for value in ("lots", "1e6", "²"):
-            with mock.patch.dict(os.environ, {"MONAI_CACHE_RESERVE_BYTES": value}):
-                with self.assertRaisesRegex(ValueError, f"MONAI_CACHE_RESERVE_BYTES='{value}'"):
-                    SharedCacheStore(root=self.root)
-        self.assertEqual(os.listdir(self.root), [])  # nothing left by the refused ones
-
-    @parameterized.expand([("negative", -1), ("float", 1.5), ("bool", True), ("text", "100")])
-    def test_bad_values(self, _, value):
-        with self.assertRaisesRegex(ValueError, "reserve must be None or a non-negative number of bytes"):
-            SharedCacheStore(root=self.root, reserve=value)
-        self.assertEqual(os.listdir(self.root), [])  # nothing was created
-        self.assertEqual(self.new_store(reserve=np.int64(5)).reserve, 5)  # numpy's integers are integers
-
     @parameterized.expand([("full", errno.ENOSPC, locks, "create"), ("read_only", errno.EROFS, tempfile, "mkdtemp")])
     def test_no_room_to_make_a_store(self, _, code, where, what):
         with mock.patch.object(where, what, side_effect=OSError(code, os.strerror(code))):
@@ -120,30 +75,6 @@ class TestReserve(unittest.TestCase):
         self.assertEqual(os.listdir(self.root), [])  # nothing left behind
         copy = pickle.loads(pickle.dumps(store))  # stays without a cache, and never opens a path
         self.assertEqual((copy.put("k", 1), copy.get("k")), (False, None))
-
-    def test_uncached(self):
-        why = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        with self.assertWarnsRegex(RuntimeWarning, "cannot make or open the store"):
-            store = _Narrow.uncached(os.path.join(self.root, "kept"), why)
-        self.assertIsInstance(store, _Narrow)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # warned once already
-            self.assertEqual((store.get_or_compute("k", lambda: 3), store.put("k", 1)), (3, False))
-        self.assertEqual(os.listdir(self.root), [])
-
-    def test_a_new_store_at_a_freed_stores_address_still_warns(self):
-        """Warnings are once per store and process: a store that reuses the id() of a freed one warns too."""
-        seen: dict[int, int] = {}
-        for attempt in range(50):
-            store = SharedCacheStore(root=self.root, reserve=2**62)
-            self.assertIn("(reserve)", self.refuse(store), f"attempt {attempt}")
-            seen[id(store)] = seen.get(id(store), 0) + 1
-            store.close()
-            del store
-            gc.collect()
-            if max(seen.values()) >= 2:
-                return
-        self.skipTest("no store reused the address of a freed one in 50 attempts")
 
 
 if __name__ == "__main__":

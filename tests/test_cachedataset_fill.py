@@ -24,13 +24,11 @@ from contextlib import redirect_stderr
 from multiprocessing import Manager
 
 import torch
-import torch.distributed as dist
 from parameterized import parameterized
 
-from monai.data import CacheDataset, SharedCacheStore, create_shared_cache
-from monai.data.shared_cache import process_cpus, share_of_cpus
+from monai.data import CacheDataset, SharedCacheStore
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
-from tests.test_utils import DistCall, DistTestCase, SkipIfNoModule, skip_if_quick
+from tests.test_utils import SkipIfNoModule, skip_if_quick
 
 NO_STORE = "SharedCacheStore needs fcntl, missing on this platform"
 needs_store = unittest.skipUnless(SharedCacheStore.supported, NO_STORE)
@@ -70,13 +68,16 @@ def computations(log: str) -> Counter:
         return Counter(int(line.split()[0]) for line in f if line.strip())
 
 
-def gather(obj: object) -> list:
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+def _fill_in_process(path: str, log: str, ready) -> None:
+    """Another process of the node: joins the store by its path, and fills it with 2 threads once both are ready."""
+    store = SharedCacheStore(path)
+    ds = CacheDataset(list(range(N)), Compose([Load(log, delay=0.2), AddOne()]), runtime_cache=store, progress=False)
+    ready.wait(TIMEOUT)
+    ds.fill(num_threads=2)
+    store.close()
 
 
-class TestFill(DistTestCase):
+class TestFill(unittest.TestCase):
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.tmp, True)
@@ -149,19 +150,6 @@ class TestFill(DistTestCase):
             with self.assertRaisesRegex(ValueError, "num_threads must be a positive integer"):
                 ds.fill(num_threads=bad)  # type: ignore[arg-type]
 
-    @parameterized.expand(
-        [
-            ("alone", {0, 1, 2, 3}, [{0, 1, 2, 3}], 4),
-            ("unbound ranks share the node", {0, 1, 2, 3}, [{0, 1, 2, 3}, {0, 1, 2, 3}], 2),
-            ("ranks bound to their own cores", {0, 1}, [{0, 1}, {2, 3}], 2),
-            ("at most this rank's cores", {0}, [{0}, {1, 2, 3, 4, 5}], 1),
-            ("more ranks than cores", {0, 1}, [{0, 1}] * 4, 1),
-        ]
-    )
-    def test_share_of_cpus(self, _, mine: set, node: list, expected: int) -> None:
-        """A rank's share of its node's CPUs: the CPUs of the node's ranks, divided evenly among them."""
-        self.assertEqual(share_of_cpus(mine, node), expected)
-
     def test_fill_without_waiting(self) -> None:
         """``fill(wait=False)`` of an item that another thread computes returns ``False`` at once, computing nothing."""
         store = self.runtime_cache("store")
@@ -186,39 +174,25 @@ class TestFill(DistTestCase):
 
     @skip_if_quick
     @needs_store
-    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
-    def test_two_ranks_fill_each_item_once_per_node(self) -> None:
-        """2 ranks x 2 threads fill one store at once: the claims split the items, each computed once."""
-        store = create_shared_cache(root=self.tmp, timeout=TIMEOUT)
-        load, pids = Load(self.log, delay=0.2), gather(os.getpid())
-        ds = CacheDataset(list(range(N)), Compose([load, AddOne()]), runtime_cache=store, progress=False)
-        ds.fill(num_threads=2)
-        dist.barrier()  # both ranks have filled: the node's cache is full
-        self.check_items(ds)  # every item, from the store
-        dist.barrier()
+    def test_two_processes_fill_each_item_once(self) -> None:
+        """2 processes x 2 threads fill one store at once: the claims split the items, each computed once."""
+        store = self.runtime_cache("store")
+        ctx = multiprocessing.get_context("spawn")
+        ready = ctx.Barrier(2)
+        procs = [ctx.Process(target=_fill_in_process, args=(store.path, self.log, ready)) for _ in range(2)]
+        for p in procs:
+            p.start()
+            self.addCleanup(lambda p=p: (p.is_alive() and p.kill(), p.join(TIMEOUT)))
+        for p in procs:
+            p.join(TIMEOUT)
+        self.assertEqual([p.exitcode for p in procs], [0, 0])
         self.assertEqual(computations(self.log), Counter(range(N)))
         with open(self.log) as f:
             by = dict(map(int, line.split()) for line in f)  # which process computed each item
-        self.assertEqual(sorted(set(by.values())), sorted(pids))  # both ranks computed
-        dist.barrier()
-        store.close()
-
-    @skip_if_quick
-    @needs_store
-    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
-    def test_ranks_fill_with_their_share_of_the_node(self) -> None:
-        """By default each rank fills with its share of the node's CPUs (``node_cpus``), not with all of them."""
-        store = create_shared_cache(root=self.tmp, timeout=TIMEOUT)
-        expected = share_of_cpus(process_cpus(), [set(c) for c in gather(sorted(process_cpus()))])
-        self.assertEqual(store.node_cpus, expected)
-        threads: set = set()
-        slow = Lambda(lambda i: (threads.add(threading.get_ident()), time.sleep(0.05), {"i": i})[-1])
-        ds = CacheDataset(list(range(N)), Compose([slow]), runtime_cache=store, progress=False)
-        dist.barrier()  # the ranks fill at once
-        ds.fill()
-        self.assertLessEqual(len(threads), expected, threads)  # with all of the rank's CPUs: 2 threads on 2 cores
-        dist.barrier()  # both ranks have filled
-        store.close()
+        self.assertEqual(sorted(set(by.values())), sorted(p.pid for p in procs))  # both computed
+        ds = CacheDataset(list(range(N)), Compose([Load(self.log, 0.2), AddOne()]), runtime_cache=store, progress=False)
+        self.check_items(ds)  # every item, from the store
+        self.assertEqual(computations(self.log), Counter(range(N)))
 
 
 if __name__ == "__main__":

@@ -17,17 +17,15 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import unittest
 from unittest import mock
 
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, MetaTensor
-from monai.data import _cache_format as fmt
+from monai.data import CacheDataset, DataLoader
 from monai.data.cache_store import SharedCacheStore
-from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
+from monai.transforms import Compose, RandomizableTransform, Transform
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
@@ -58,14 +56,13 @@ def _computed(log: str) -> list[int]:
 
 def _killed_run(root: str, log: str) -> None:
     """A training run that caches its items, then is killed (as by the OOM killer): nothing of it can clean up."""
-    os.environ["MONAI_CACHE_ROOT"] = root
-    ds = CacheDataset(list(range(4)), Compose([Load(log), AddOne()]), runtime_cache="process", progress=False)
+    ds = CacheDataset(list(range(4)), Compose([Load(log), AddOne()]), runtime_cache=SharedCacheStore(root=root))
     for i in range(4):
         ds[i]
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class TestProcessMode(unittest.TestCase):
+class TestSharedStore(unittest.TestCase):
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.tmp, True)
@@ -86,27 +83,13 @@ class TestProcessMode(unittest.TestCase):
     @parameterized.expand([(ctx,) for ctx in multiprocessing.get_all_start_methods()])
     @needs_store
     def test_workers_share_one_store(self, ctx):
-        ds = CacheDataset(list(range(8)), Compose([Load(self.log), AddOne()]), runtime_cache="process", copy_cache=True)
-        self.assertIsInstance(ds._cache.cache.store, SharedCacheStore)
-        path = ds._cache.cache.store.path
+        store = SharedCacheStore(root=self.root)
+        ds = CacheDataset(list(range(8)), Compose([Load(self.log), AddOne()]), runtime_cache=store, copy_cache=True)
         self.check_epochs(ds, ctx)
         self.assertEqual(_computed(self.log), list(range(8)))  # once each, in the workers
-        del ds
+        del ds, store
         gc.collect()
-        self.assertFalse(os.path.exists(path))  # removed with its last user
-        self.assertEqual(os.listdir(self.root), [])
-
-    @needs_store
-    def test_set_data_makes_a_new_store_and_pickles_no_data(self):
-        """As the Manager list was: a new store at every set_data, the old one removed; the data are never pickled."""
-        data = [{"id": i, "lock": threading.Lock()} for i in range(4)]  # pickle cannot store a lock
-        ds = CacheDataset(data, Compose([Lambda(lambda d: d["id"]), Load(self.log), AddOne()]), runtime_cache="process")
-        for _ in range(2):
-            old = ds._cache.cache.store.path
-            self.assertEqual([ds[i]["img"][0].item() for i in range(4) for _ in range(2)], [1, 1, 2, 2, 3, 3, 4, 4])
-            ds.set_data(data)
-            self.assertFalse(os.path.exists(old))
-        self.assertEqual(_computed(self.log), [0, 0, 1, 1, 2, 2, 3, 3])  # once for each store
+        self.assertEqual(os.listdir(self.root), [])  # removed with its last user
 
     @needs_store
     def test_refresh_drops_the_items_of_the_dataset_only(self):
@@ -119,30 +102,6 @@ class TestProcessMode(unittest.TestCase):
         self.check_epochs(ds)
         self.assertEqual(_computed(self.log), sorted(list(range(4)) * 2))  # once before the refresh, once after
         self.assertEqual(store.get("other"), 1)
-
-    @needs_store
-    def test_a_subclass_keeps_its_own_files_in_a_checked_directory(self):
-        store = SharedCacheStore(root=self.root)
-        notes = store.subdir(".notes")  # made private, opened and checked; the same one again
-        self.assertEqual((os.lstat(notes.path).st_mode & 0o777, store.subdir(".notes").path), (0o700, notes.path))
-        os.symlink(self.tmp, os.path.join(store.path, ".link"))
-        with self.assertRaisesRegex(PermissionError, "symbolic link"):
-            store.subdir(".link")  # never followed
-        for bad in ("../x", "notes", ".a/b", ""):
-            with self.assertRaisesRegex(ValueError, "a dot, then"):
-                store.subdir(bad)
-        at = store.directory  # the store's own directory, as opened and checked: not its path
-        os.rename(store.path, store.path + "-moved")
-        os.mkdir(store.path, 0o700)
-        self.assertEqual((os.fstat(at.fd).st_ino, at.stat(".notes").st_ino), (os.stat(store.path + "-moved").st_ino,
-                         os.stat(notes.path.replace(store.path, store.path + "-moved")).st_ino))  # fmt: skip
-        os.rmdir(store.path)
-        os.rename(store.path + "-moved", store.path)
-        store.close()  # goes with the store
-        self.assertEqual(os.listdir(self.root), [])
-        for closed in (lambda: store.subdir(".notes"), lambda: store.directory):
-            with self.assertRaises(FileNotFoundError):
-                closed()
 
     @unittest.skipIf(FORK is None, "the file system is faked in this process and its forked workers")
     @needs_store
@@ -163,7 +122,9 @@ class TestProcessMode(unittest.TestCase):
             return mock.Mock(f_bavail=(41 * MIB - used) // 4096, f_blocks=64 * 256, f_frsize=4096)
 
         with mock.patch("os.statvfs", statvfs):
-            ds = CacheDataset(list(range(8)), Compose([Load(self.log, MIB), AddOne()]), runtime_cache="process")
+            store = SharedCacheStore(root=self.root)
+            self.addCleanup(store.close)
+            ds = CacheDataset(list(range(8)), Compose([Load(self.log, MIB), AddOne()]), runtime_cache=store)
             self.check_epochs(ds, FORK)
             free = statvfs(None).f_bavail * 4096
         stored = 16 - len(_computed(self.log))  # a stored item is computed once, a refused one in each epoch
@@ -179,31 +140,16 @@ class TestProcessMode(unittest.TestCase):
         self.assertEqual(proc.exitcode, -signal.SIGKILL)
         (left,) = os.listdir(self.root)
         self.assertEqual(len([n for n in os.listdir(os.path.join(self.root, left)) if n.endswith(".item")]), 4)
-        ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache="process")
-        self.assertEqual(os.listdir(self.root), [os.path.basename(ds._cache.cache.store.path)])  # the dead run's: gone
-        self.assertEqual([ds[i]["img"][0].item() for i in range(4)] * 2, [1.0, 2.0, 3.0, 4.0] * 2)
-
-    @needs_store
-    def test_metatensor_items_are_stored_out_of_band(self):
-        item = {"img": MetaTensor(torch.arange(6.0).reshape(2, 3), meta={"filename_or_obj": "a.nii"})}
-        chunks, _ = fmt.encode("k", item)
-        raw = item["img"].numpy().tobytes()
-        self.assertTrue(any(bytes(c) == raw for _, c in chunks[2:]))  # its bytes out of band, read back as a view
-        store = SharedCacheStore()
+        store = SharedCacheStore(root=self.root)
         self.addCleanup(store.close)
-        store.put("k", item)
-        got = store.get("k")["img"]
-        self.assertEqual(
-            (type(got), got.meta["filename_or_obj"], got.tolist()), (MetaTensor, "a.nii", [[0, 1, 2], [3, 4, 5]])
-        )
+        ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache=store)
+        self.assertEqual(os.listdir(self.root), [os.path.basename(store.path)])  # the dead run's: gone
+        self.assertEqual([ds[i]["img"][0].item() for i in range(4)] * 2, [1.0, 2.0, 3.0, 4.0] * 2)
 
     def test_without_fcntl(self):
         with mock.patch.object(SharedCacheStore, "supported", False):
             with self.assertRaisesRegex(NotImplementedError, "fcntl.*runtime_cache='process'"):
                 SharedCacheStore()
-            ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache="process")
-            self.assertEqual(type(ds._cache.cache.container).__name__, "ListProxy")
-            self.assertEqual([ds[i]["img"][0].item() for i in range(4)] * 2, [1.0, 2.0, 3.0, 4.0] * 2)
 
 
 if __name__ == "__main__":

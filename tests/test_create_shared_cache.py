@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import unittest
 import warnings
@@ -27,7 +28,8 @@ import torch.distributed as dist
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
-from monai.transforms import Compose, RandomizableTransform, Transform
+from monai.data.shared_cache import process_cpus, share_of_cpus
+from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
 from tests.test_utils import DistCall, DistTestCase, skip_if_quick
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
@@ -39,11 +41,11 @@ SHORT = 3.0  # the `timeout` of create_shared_cache while the other rank never c
 class Load(Transform):
     """Deterministic: logs ``<i> <pid>`` at each computation (one O_APPEND write: atomic across processes)."""
 
-    def __init__(self, log: str) -> None:
-        self.log = log
+    def __init__(self, log: str, delay: float = 0.05) -> None:
+        self.log, self.delay = log, delay  # long enough for the other readers of the item to miss it meanwhile
 
     def __call__(self, i: int) -> dict:
-        time.sleep(0.05)  # long enough for the other readers of the item to miss it meanwhile
+        time.sleep(self.delay)
         fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, f"{i} {os.getpid()}\n".encode())
@@ -87,8 +89,9 @@ class TestCreateSharedCache(DistTestCase):
         self.root, self.log = os.path.join(self.tmp, "root"), os.path.join(self.tmp, "log")
         os.mkdir(self.root, 0o700)
 
-    def dataset(self, store: SharedCacheStore) -> CacheDataset:
-        return CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+    def dataset(self, store: SharedCacheStore, delay: float = 0.05) -> CacheDataset:
+        transform = Compose([Load(self.log, delay), AddOne()])
+        return CacheDataset(list(range(N)), transform, runtime_cache=store, progress=False)
 
     def read_all(self, ds: CacheDataset, ranks: int = 1) -> None:
         """Read every item twice with 2 DataLoader workers, which start together with those of the other ranks."""
@@ -233,6 +236,55 @@ class TestCreateSharedCache(DistTestCase):
             store.close()
         dist.barrier()
         self.assertEqual(os.listdir(self.root), [])
+
+    @parameterized.expand(
+        [
+            ("alone", {0, 1, 2, 3}, [{0, 1, 2, 3}], 4),
+            ("unbound ranks share the node", {0, 1, 2, 3}, [{0, 1, 2, 3}, {0, 1, 2, 3}], 2),
+            ("ranks bound to their own cores", {0, 1}, [{0, 1}, {2, 3}], 2),
+            ("at most this rank's cores", {0}, [{0}, {1, 2, 3, 4, 5}], 1),
+            ("more ranks than cores", {0, 1}, [{0, 1}] * 4, 1),
+        ]
+    )
+    def test_share_of_cpus(self, _, mine: set, node: list, expected: int) -> None:
+        """A rank's share of its node's CPUs: the CPUs of the node's ranks, divided evenly among them."""
+        self.assertEqual(share_of_cpus(mine, node), expected)
+
+    @skip_if_quick
+    @needs_store
+    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
+    def test_two_ranks_fill_each_item_once_per_node(self) -> None:
+        """2 ranks x 2 threads fill one store at once: the claims split the items, each computed once."""
+        store = create_shared_cache(root=self.root, timeout=TIMEOUT)
+        pids, ds = gather(os.getpid()), self.dataset(store, delay=0.2)
+        ds.fill(num_threads=2)
+        dist.barrier()  # both ranks have filled: the node's cache is full
+        for i in range(N):
+            self.assertTrue(torch.equal(ds[i]["img"], torch.full((2, 3), i + 1.0)), i)
+        dist.barrier()
+        self.assertEqual(computed(self.log), Counter(range(N)))
+        with open(self.log) as f:
+            by = dict(map(int, line.split()) for line in f)  # which process computed each item
+        self.assertEqual(sorted(set(by.values())), sorted(pids))  # both ranks computed
+        dist.barrier()
+        store.close()
+
+    @skip_if_quick
+    @needs_store
+    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
+    def test_ranks_fill_with_their_share_of_the_node(self) -> None:
+        """By default each rank fills with its share of the node's CPUs (``node_cpus``), not with all of them."""
+        store = create_shared_cache(root=self.root, timeout=TIMEOUT)
+        expected = share_of_cpus(process_cpus(), [set(c) for c in gather(sorted(process_cpus()))])
+        self.assertEqual(store.node_cpus, expected)
+        threads: set = set()
+        slow = Lambda(lambda i: (threads.add(threading.get_ident()), time.sleep(0.05), {"i": i})[-1])
+        ds = CacheDataset(list(range(N)), Compose([slow]), runtime_cache=store, progress=False)
+        dist.barrier()  # the ranks fill at once
+        ds.fill()
+        self.assertLessEqual(len(threads), expected, threads)  # with all of the rank's CPUs: 2 threads on 2 cores
+        dist.barrier()  # both ranks have filled
+        store.close()
 
 
 if __name__ == "__main__":

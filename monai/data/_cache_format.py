@@ -46,9 +46,22 @@ class CorruptItemError(Exception):
     """A file that is not a complete item of this format."""
 
 
-def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+def _plain_state(cls: type) -> bool:
+    """Whether a tensor subclass (such as MetaTensor) pickles as its data plus ``__dict__``, so can be rebuilt."""
+    names = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
+    if any(getattr(cls, n, None) is not getattr(torch.Tensor, n, None) for n in names):
+        return False
+    return not any("__slots__" in vars(base) for base in cls.__mro__[: cls.__mro__.index(torch.Tensor)])
+
+
+def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple, cls: type, state: dict | None) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype) if buffer is None else torch.frombuffer(buffer, dtype=torch.uint8)
-    return t.view(dtype).reshape(shape)
+    t = t.view(dtype).reshape(shape)
+    if cls is not torch.Tensor:
+        t = t.as_subclass(cls)
+    if state:
+        t.__dict__.update(state)
+    return t
 
 
 def _rebuild_ndarray(buffer: Any, dtype: np.dtype, shape: tuple, order: Any) -> np.ndarray:
@@ -64,16 +77,19 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch.Tensor):
             if obj.device.type != "cpu":
                 raise TypeError(_GPU.format(obj.device))
-            if type(obj) is not torch.Tensor or obj.layout is not torch.strided or obj.is_quantized or obj.is_nested:
-                return NotImplemented  # torch's own pickling
-            data = obj.detach().resolve_conj().resolve_neg().contiguous()
+            cls = type(obj)
+            if obj.layout is not torch.strided or obj.is_quantized or obj.is_nested:
+                return NotImplemented
+            if cls is not torch.Tensor and not _plain_state(cls):
+                return NotImplemented
+            data = obj.as_subclass(torch.Tensor).detach().resolve_conj().resolve_neg().contiguous()
             buffer = None
             if data.numel():
                 try:
                     buffer = pickle.PickleBuffer(cast(Any, data.reshape(-1).view(torch.uint8).numpy()))
                 except (RuntimeError, TypeError):  # sub-byte dtypes: torch's own pickling
                     return NotImplemented
-            return _rebuild_tensor, (buffer, data.dtype, tuple(data.shape))
+            return _rebuild_tensor, (buffer, data.dtype, tuple(data.shape), cls, getattr(obj, "__dict__", None))
         if type(obj) in (np.ndarray, np.memmap) and not obj.dtype.hasobject:
             arr = obj.view(np.ndarray)
             order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"

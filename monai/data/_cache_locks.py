@@ -9,13 +9,15 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-How the processes sharing a :py:class:`monai.data.cache_store.SharedCacheStore` coordinate: who still uses the store.
+How the processes sharing a :py:class:`monai.data.cache_store.SharedCacheStore` coordinate: who still uses the store,
+whose temporary files are dead, which directories are left over.
 
 Each question is whether some process is still alive, and pids cannot answer it across PID namespaces (containers
 sharing ``/dev/shm`` see each other's files, not each other's processes). So each fact is an ``fcntl.flock`` lock on
 a file of the store, which the kernel releases when its holder dies, in any namespace: a lock that can be taken
-means that its holder is gone. Using a store is a shared lock on ``<store>/.lock`` per store object. Locks are held
-on descriptors that a forked child closes at once, so a DataLoader worker never keeps or removes a store.
+means that its holder is gone. Using a store is a shared lock on ``<store>/.lock`` per store object, and writing an
+item an exclusive lock on its temporary file in ``.tmp/``. Locks are held on descriptors that a forked child closes
+at once, so a DataLoader worker never keeps or removes a store.
 Without ``fcntl`` (Windows) there is no store: :py:data:`AVAILABLE`, the one place that asks, is ``False``.
 """
 
@@ -26,6 +28,7 @@ import os
 import stat
 import tempfile
 import time
+import warnings
 import weakref
 
 try:
@@ -36,8 +39,13 @@ except ImportError:  # Windows
 AVAILABLE = fcntl is not None
 ENV_ROOT = "MONAI_CACHE_ROOT"  # where new stores are created, instead of /dev/shm
 PREFIX = "monai-cache-"
-LOCK_FILE = ".lock"
+LOCK_FILE, _NEW_LOCK = ".lock", ".lock-new"  # a creator holds `.lock-new` before it is renamed: cleaners ignore it
 MARK = ".monai-cache"  # written into every directory the store makes: no other directory is joined or removed
+KEEP = ".persistent"  # in a store that its last user and the cleaners keep: see mark_kept
+NETWORK_FS = ("nfs", "nfs4", "lustre", "fuse", "cifs", "smb3", "ceph", "glusterfs", "gpfs", "beegfs", "9p")
+_MOUNTINFO = "/proc/self/mountinfo"
+_WARNED: set[str] = set()  # the network roots warned about in this process
+_MIN_AGE = 5.0  # seconds: a store without a lock file, or an unlocked temporary file, younger than this is kept
 _PATIENCE = 0.25  # seconds a leaver waits for children forked just before to close their copy of its lock
 _POLL_MIN, _POLL_MAX = 0.001, 0.05
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -202,10 +210,12 @@ def try_hold(path: str, flags: int = 0, shared: bool = False, at: Dir | None = N
 
 
 def create(d: Dir) -> Held:
-    """Mark the new store ``d`` as made by a store, make its lock file, and participate."""
+    """Mark the new store ``d`` as made by a store, make its lock file, and participate: cleaners never see it
+    without a participant."""
     os.close(d.open(MARK, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-    held = Held(d.open(LOCK_FILE, _OPEN | os.O_CREAT | os.O_EXCL))
+    held = Held(d.open(_NEW_LOCK, _OPEN | os.O_CREAT | os.O_EXCL))
     fcntl.flock(held.fd, fcntl.LOCK_SH)
+    os.replace(_NEW_LOCK, LOCK_FILE, src_dir_fd=d.fd, dst_dir_fd=d.fd)
     return held
 
 
@@ -224,6 +234,8 @@ def join(d: Dir) -> Held:
 
 def _remove_if_unheld(d: Dir, patience: float = 0.0) -> bool:
     """Remove the store ``d`` if no one participates, holding its lock meanwhile; whether it was removed."""
+    if _exists(d, KEEP):  # never taken exclusively: a process that joins it meanwhile is never refused
+        return False
     deadline = time.monotonic() + patience
     while True:
         try:
@@ -239,12 +251,134 @@ def _remove_if_unheld(d: Dir, patience: float = 0.0) -> bool:
         time.sleep(_POLL_MAX / 5)
 
 
+def _exists(d: Dir, name: str) -> bool:
+    try:
+        d.stat(name)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def mark_kept(d: Dir) -> None:
+    """
+    Make ``d`` a store that its last user and the cleaners keep, unless it is one: its files are made before its mark,
+    so that an interrupted call leaves a directory that the next one completes. No directory that holds items is listed.
+
+    Raises:
+        ValueError: ``d`` holds something else than a kept store.
+    """
+    if _exists(d, MARK) and _exists(d, KEEP):
+        return
+    names = set(d.names())  # another process may be marking it meanwhile
+    if not names <= {KEEP, LOCK_FILE, ".tmp", MARK} or (MARK in names and KEEP not in names):
+        raise ValueError(
+            f"SharedCacheStore: {d.path!r} holds {sorted(names)[:3]} and no store kept across runs: give the path of "
+            "an empty directory, or of such a store."
+        )
+    for name in (KEEP, LOCK_FILE):
+        os.close(d.open(name, os.O_WRONLY | os.O_CREAT))
+    try:
+        os.mkdir(".tmp", 0o700, dir_fd=d.fd)
+    except FileExistsError:
+        pass
+    os.close(d.open(MARK, os.O_WRONLY | os.O_CREAT))
+
+
 def leave(d: Dir, held: Held) -> bool:
     """Stop participating; remove the store if no participant is left."""
     return held.close() and _remove_if_unheld(d, _PATIENCE)
 
 
-# -- directories ------------------------------------------------------------------------------------------------------
+def fs_type(path: str) -> str | None:
+    """The type of the file system that holds ``path``, read from ``/proc/self/mountinfo``; ``None`` without it."""
+    try:
+        with open(_MOUNTINFO) as f:
+            mounts = [line.split(" - ", 1) for line in f.read().splitlines() if " - " in line]
+    except OSError:  # not Linux
+        return None
+    real, best, kind = os.path.realpath(path), "", None
+    for left, right in mounts:
+        fields = left.split()
+        point = fields[4].replace("\\040", " ") if len(fields) > 4 else ""
+        if point and (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, right.split()[0] if right.split() else None
+    return kind
+
+
+def network_fs(path: str) -> str | None:
+    """The type of the network file system holding ``path`` (where ``flock`` may be local to a node), else ``None``."""
+    kind = fs_type(path)
+    return kind if kind is not None and kind.split(".")[0] in NETWORK_FS else None
+
+
+def cleanup_leftovers(root: str) -> list[str]:
+    """
+    Remove the ``monai-cache-*`` directories of this user in ``root`` that a store made and in which no process
+    participates: at once if their lock file can be taken, after a few seconds if they have none (a creator died
+    before making it). Other directories, named so or not, stay. Not on a network file system, where ``flock`` may
+    be local to a node or emulated: there a lock that can be taken does not tell that its holder is gone, so nothing
+    is removed, and one warning per process says so.
+    """
+    kind = network_fs(root)
+    if kind is not None:
+        if root not in _WARNED:
+            _WARNED.add(root)
+            warnings.warn(
+                f"SharedCacheStore: {root!r} is on a network file system ({kind}), where flock may be local to a node, "
+                "so the stores that crashed runs leave there are not removed. Put stores on a node-local file system "
+                f"(/dev/shm, a local disk: {ENV_ROOT}=/path or root=...).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return []
+    try:
+        with os.scandir(root) as it:
+            found = [e.path for e in it if e.name.startswith(PREFIX)]
+    except OSError:
+        return []
+    removed = []
+    for path in found:
+        try:
+            d = Dir(path, mark=True)
+            if _exists(d, KEEP):
+                continue
+            if LOCK_FILE in d.names():
+                done = _remove_if_unheld(d)
+            elif done := time.time() - d.ident.st_mtime >= _MIN_AGE:
+                d.remove()
+        except OSError:  # not a directory that a store of this user made: left alone
+            continue
+        if done and not os.path.lexists(path):
+            removed.append(path)
+    return removed
+
+
+# -- temporary files and directories ----------------------------------------------------------------------------------
+
+
+def open_temp(name: str, tmp: Dir) -> Held:
+    """Create the temporary file ``name`` in ``tmp``, held until it is published or removed (cleaners leave young
+    files)."""
+    held = try_hold(name, os.O_CREAT | os.O_EXCL, at=tmp)
+    if held is None:
+        raise FileExistsError(errno.EEXIST, "a temporary file of that name is held", name)
+    return held
+
+
+def clean_dead_temps(tmp: Dir) -> None:
+    """Remove the temporary files of writers that died while writing: unlocked, and older than a few seconds."""
+    try:
+        old = [name for name in tmp.names() if time.time() - tmp.stat(name).st_mtime >= _MIN_AGE]
+    except OSError:
+        return
+    for name in old:
+        try:
+            held = try_hold(name, at=tmp)
+        except OSError:
+            continue
+        if held is not None:
+            unlink_quiet(name, tmp)
+            held.close()
 
 
 def default_root() -> str:

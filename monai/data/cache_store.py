@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import numbers
 import os
 import re
 import secrets
@@ -21,7 +22,7 @@ import tempfile
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
@@ -32,16 +33,30 @@ from monai.data import _cache_locks as locks
 __all__ = ["SharedCacheStore"]
 
 _SAFE_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
+_SUBDIR = re.compile(r"\.[0-9A-Za-z_-]{1,64}")  # never the name of an item, nor a path
 _TMP = ".tmp"
 # errors after which a process stops writing to the store: they do not go away by themselves
 _PERSISTENT = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", -1)}
+_NO_ROOM = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", -1)}  # a file system without room, or a quota
 _WARN_LOCK = threading.Lock()
 _UNCACHED = "Items are computed without the cache from now on in this process."
+ENV_RESERVE = "MONAI_CACHE_RESERVE_BYTES"
+_MORE = (
+    "Such items are computed without being stored. To cache more: give the container more shared memory (docker run "
+    f"--shm-size=..., or --ipc=host), put the cache on a local disk or another tmpfs ({locks.ENV_ROOT}=/path, or "
+    "SharedCacheStore(root=...)), or set the store's reserve."
+)
 
 
-def _attach(cls: type[SharedCacheStore], path: str, ident: tuple[int, int]) -> SharedCacheStore:
+def _attach(
+    cls: type[SharedCacheStore], path: str, ident: tuple[int, int], reserve: int | None = None
+) -> SharedCacheStore:
     """Unpickle a store without participating (in a DataLoader worker, say): open and check its directory anew."""
     store = cls.__new__(cls)
+    store.reserve = reserve
+    if ident == (0, 0):  # a store that was never made (no room): it stays so, and never opens its path
+        store._setup(path, None)
+        return store
     try:
         d = locks.Dir(path, mark=True)
     except FileNotFoundError as err:
@@ -57,33 +72,52 @@ def _attach(cls: type[SharedCacheStore], path: str, ident: tuple[int, int]) -> S
     return store
 
 
+def _reserve(value: Any) -> int | None:
+    if value is None:
+        text = os.environ.get(ENV_RESERVE, "").strip()
+        if text and not (text.isascii() and text.isdigit()):  # int() would take superscripts too
+            raise ValueError(f"{ENV_RESERVE}={text!r} must be a non-negative number of bytes.")
+        return int(text) if text else None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"reserve must be None or a non-negative number of bytes, got {value!r}.")
+    return int(value)
+
+
 class SharedCacheStore:
     """
     A cache of items that the processes of one machine share without a server: each item is a file in a private
-    directory, by default on ``/dev/shm`` (in memory).
+    directory, by default on ``/dev/shm`` (in memory). A store can be given as the ``runtime_cache`` of
+    :py:class:`monai.data.CacheDataset`.
 
     An item is written once to a temporary file, published under its key by an atomic ``os.replace``; a read maps it
     privately and copy-on-write: arrays and tensors are views of the mapping, with no copy and no open descriptor. A
     store pickles as its path, so DataLoader workers receive it with what holds it; other processes of the same user
     join it with ``SharedCacheStore(path)``.
-    It is removed when the last process that made or joined it closes it or exits.
+    A store is removed when the last process that made or joined it closes it or exits, even killed; a new store
+    removes the stores of crashed runs in its root. A store leaves room on its file system for the DataLoader, which
+    moves batches through ``/dev/shm`` too: an item that would leave less than ``reserve`` bytes free there is computed
+    and returned without being stored, after one warning per process.
 
     Args:
         path: the directory of an existing store to join; ``None`` to make a new store.
         root: where to make a new store: by default the directory named by the environment variable
             ``MONAI_CACHE_ROOT``, else ``/dev/shm`` if writable, else the temporary directory.
+        reserve: bytes that this process keeps free on the store's file system; by default
+            ``MONAI_CACHE_RESERVE_BYTES`` if set, else half the file system, at most 4 GiB.
 
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows).
         FileNotFoundError: ``path`` does not exist, or ``MONAI_CACHE_ROOT`` names no directory.
         PermissionError: ``path`` is not a private directory of this user, or not one that a store made.
-        ValueError: both ``path`` and ``root`` are given.
+        ValueError: both ``path`` and ``root`` are given, or ``reserve`` (or ``MONAI_CACHE_RESERVE_BYTES``) is not
+            a non-negative integer.
 
     Example:
         .. code-block:: python
 
             store = SharedCacheStore()  # a new directory /dev/shm/monai-cache-*
-            item = store.get_or_compute(key, compute)  # computed once, then read back by every process
+            ds = CacheDataset(data, transform, runtime_cache=store)
+            item = store.get_or_compute(key, compute)  # or directly: computed once, then read back by every process
             other = SharedCacheStore(store.path)  # in another process of this user, on this machine
             store.close()  # the last one to close (or exit) removes the directory
 
@@ -96,14 +130,22 @@ class SharedCacheStore:
     """
 
     supported = locks.AVAILABLE  # whether stores can be made here (not without fcntl, as on Windows)
+    reserve: int | None  # bytes kept free where the items count; None: half the file system, at most 4 GiB
     durable = False  # whether an item is synced to its disk before it is published: for a subclass kept on a disk
 
-    def __init__(self, path: str | os.PathLike | None = None, *, root: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        root: str | os.PathLike | None = None,
+        reserve: int | None = None,
+    ) -> None:
         if not self.supported:
             raise NotImplementedError(
                 "SharedCacheStore needs fcntl file locks, which this platform lacks. Use "
                 "CacheDataset(runtime_cache='process'), which keeps the cache in a multiprocessing Manager list here."
             )
+        self.reserve = _reserve(reserve)
         if path is not None:
             if root is not None:
                 raise ValueError("root is where a new store is made: give path or root, not both.")
@@ -116,13 +158,22 @@ class SharedCacheStore:
                 self._warn_once("the directory is gone", err)
             return
         root = locks.default_root() if root is None else os.fspath(root)
-        new = locks.Dir(os.path.abspath(tempfile.mkdtemp(prefix=locks.PREFIX, dir=root)))  # mode 0o700
+        locks.cleanup_leftovers(root)
+        new, held = cast(locks.Dir, None), cast(locks.Held, None)  # what is made so far, removed if the rest fails
         try:
-            held = locks.create(new)
+            new = locks.Dir(os.path.abspath(tempfile.mkdtemp(prefix=locks.PREFIX, dir=root)))  # mode 0o700
+            held = locks.create(new)  # first: cleaners never see the store without a participant
             os.mkdir(_TMP, 0o700, dir_fd=new.fd)
-        except BaseException:
-            new.remove()
-            raise
+        except BaseException as err:
+            if held is not None:
+                held.close()
+            if new is not None:
+                new.remove()
+            if not isinstance(err, OSError) or err.errno not in _NO_ROOM:
+                raise
+            self._setup(root if new is None else new.path, None)  # the job goes on without the cache
+            self._warn_once("cannot make a store", err, _MORE)
+            return
         self._setup(new.path, new)
         self._hold(held)
 
@@ -148,7 +199,7 @@ class SharedCacheStore:
         return f"{type(self).__name__}({self._path!r})"
 
     def __reduce__(self) -> tuple:
-        return _attach, (type(self), self._path, self._ident)
+        return _attach, (type(self), self._path, self._ident, self.reserve)
 
     def get(self, key: str, default: Any = None) -> Any:
         """The item stored under ``key`` (arrays and tensors: private copy-on-write views), or ``default``."""
@@ -167,16 +218,20 @@ class SharedCacheStore:
         except Exception as err:  # before any file is made; the item is computed without the cache
             self._warn_once("cannot store some items", err, fmt.UNSTORABLE)
             return False
+        why = self.room_for(total)
+        if why is not None:
+            self._warn_once("not storing items past the budget", f"an item of {total / 2**20:.1f} MiB: {why}", _MORE)
+            return False
         tmp = f"{self.file_stem(key)}-{secrets.token_hex(8)}"
         try:
-            fd = self._tmp.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            held = locks.open_temp(tmp, self._tmp)  # held while written: cleaners remove killed writers' files only
             try:
-                fmt.write_item(fd, chunks)
+                fmt.write_item(held.fd, chunks)
                 if self.durable:
-                    os.fsync(fd)
+                    os.fsync(held.fd)
                 os.replace(tmp, self._file(key, ".item"), src_dir_fd=self._tmp.fd, dst_dir_fd=self._dir.fd)
             finally:
-                os.close(fd)
+                held.close()
         except OSError as err:
             locks.unlink_quiet(tmp, self._tmp)
             self._fault("cannot write items", err)
@@ -184,6 +239,7 @@ class SharedCacheStore:
         except BaseException:
             locks.unlink_quiet(tmp, self._tmp)
             raise
+        locks.clean_dead_temps(self._tmp)
         return True
 
     def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
@@ -193,6 +249,111 @@ class SharedCacheStore:
             item = compute()
             self.put(key, item)
         return item
+
+    @classmethod
+    def uncached(cls, path: str, why: OSError) -> SharedCacheStore:
+        """
+        A store that stores nothing, after one warning that the store ``path`` cannot be made or opened because of
+        ``why`` (a full or read-only file system, say): every item is computed, and the job goes on without the cache.
+        A subclass that opens its stores in other ways gives it where the constructor would give up.
+        """
+        store = cls.__new__(cls)
+        store.reserve = None
+        store._setup(path, None)
+        store._warn_once("cannot make or open the store", why, _MORE)
+        return store
+
+    def discard(self, keys: Iterable[str]) -> None:
+        """Remove the items stored under ``keys``, and nothing else: other datasets may keep items here."""
+        for key in keys:
+            try:
+                if not self._gone:
+                    self._dir.unlink(self._file(key, ".item"))
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                self._fault("cannot remove items", err)
+
+    def free_space(self) -> tuple[int, int] | None:
+        """
+        The bytes free (to this user) and in all where the store's items count, of which ``reserve`` is kept free:
+        those of its file system, ``None`` if they cannot be told. A subclass may count less (a memory limit, say).
+        """
+        try:
+            st = os.statvfs(self._dir.fd)
+        except (OSError, AttributeError):  # gone, or no statvfs of a descriptor here
+            return None
+        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+    def room_for(self, nbytes: int) -> str | None:
+        """
+        Why an item of ``nbytes`` bytes is not to be stored, or ``None`` if it may be: it would leave less than the
+        reserve free where the store's items count (see :py:meth:`free_space`). A subclass may refuse more.
+        """
+        space = self.free_space()
+        if space is None:  # the write itself will tell what is wrong
+            return None
+        free, total = space
+        reserve = min(total // 2, 4 << 30) if self.reserve is None else self.reserve
+        if free - nbytes >= reserve:
+            return None
+        return (
+            f"{free / 2**20:.0f} MiB are free of {total / 2**20:.0f} MiB where its items count, and "
+            f"{reserve / 2**20:.0f} MiB are kept free for the DataLoader's shared memory (reserve)"
+        )
+
+    @property
+    def directory(self) -> locks.Dir:
+        """
+        The store's directory, as it was opened and checked: every operation goes through its descriptor (``fd``,
+        ``path``, ``stat``, ``open``, ``open_checked_stat``, ``unlink``, ``names``), so that a subclass's own files
+        follow the store, not its path.
+
+        Raises:
+            FileNotFoundError: the store is closed or its directory is gone.
+        """
+        if self._gone:
+            raise FileNotFoundError(errno.ENOENT, "the store is closed or gone", self._path)
+        return self._dir
+
+    def subdir(self, name: str) -> locks.Dir:
+        """
+        The store's own directory ``name`` in its directory, made (mode ``0o700``) if missing, then opened and checked
+        as the store's directory is: where a subclass keeps files of its own next to the items (notes, counts). It goes
+        with the store.
+
+        Args:
+            name: a dot, then 1 to 64 letters, digits, ``_`` or ``-``, such as ``".notes"``.
+
+        Raises:
+            ValueError: ``name`` is not such a name.
+            OSError: the store is closed or its directory is gone; ``PermissionError`` if ``name`` is a link or not a
+                private directory of this user.
+        """
+        if not _SUBDIR.fullmatch(name):
+            raise ValueError(
+                f"a directory of the store is a dot, then 1 to 64 letters, digits, '_' or '-', got {name!r}."
+            )
+        at = self.directory
+        try:
+            os.mkdir(name, 0o700, dir_fd=at.fd)
+        except FileExistsError:
+            pass
+        return locks.Dir(self._path, name, at)
+
+    @staticmethod
+    def mark_kept(path: str | os.PathLike) -> None:
+        """
+        Make the directory ``path``, empty or such a store already, a store that its last user and the cleaners of
+        leftovers keep, which ``SharedCacheStore(path)`` then joins: for a subclass that keeps its items across runs
+        (it tells the items of other versions apart, see :py:meth:`file_stem`).
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            PermissionError: ``path`` is not a private directory of this user.
+            ValueError: ``path`` holds something else than such a store.
+        """
+        locks.mark_kept(locks.Dir(os.path.abspath(os.fspath(path))))
 
     def close(self) -> None:
         """Stop using the store here; remove it if no other process uses it. A DataLoader worker's copy never does."""

@@ -89,6 +89,19 @@ def _exchange_group(group: ProcessGroup | None, timeout: float | None) -> tuple[
     return group, False
 
 
+def process_cpus() -> set[int]:
+    """The CPUs this process may run on (every CPU of the machine where the platform cannot tell)."""
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def share_of_cpus(mine: set[int], node: list[set[int]]) -> int:
+    """
+    This rank's share of its node's CPUs: the CPUs that the ``node``'s ranks (this one among them) may run on,
+    divided evenly among them, at most the CPUs of this rank, at least 1.
+    """
+    return max(1, min(len(mine), len(set().union(*node)) // len(node)))
+
+
 def _all_gather(obj: Any, group: ProcessGroup | None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
@@ -158,7 +171,10 @@ def create_shared_cache(
 
     Returns:
         this rank's handle of its node's store. Pass it as ``runtime_cache``; ``close()`` it when the rank no longer
-        needs the cache, or let it be closed at exit.
+        needs the cache, or let it be closed at exit. Its ``node_cpus`` is this rank's share of the node's CPUs (the
+        CPUs that the node's ranks may run on, divided evenly among them), the threads that ``CacheDataset.fill``
+        computes with by default, so that the ranks of a node that fill at once keep its CPUs busy without
+        oversubscribing them.
 
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows), on every rank before any collective call.
@@ -194,8 +210,10 @@ def create_shared_cache(
     exchange, made_here = _exchange_group(group, timeout)
     store: SharedCacheStore | None = None
     try:
-        # 1. which rank is on which node; the lowest rank of each node creates its store
-        nodes = _all_gather(node, exchange)
+        # 1. which rank is on which node, and on which CPUs; the lowest rank of each node creates its store
+        cpus = process_cpus()
+        gathered = _all_gather((node, sorted(cpus)), exchange)
+        nodes = [n for n, _ in gathered]
         me = dist.get_rank(exchange)
         creator = min(r for r, n in enumerate(nodes) if n == node)
         created: tuple[str, str] | None = None
@@ -236,4 +254,5 @@ def create_shared_cache(
         if made_here:
             dist.destroy_process_group(exchange)
     assert store is not None  # every rank either created or attached, or raised
+    store.node_cpus = share_of_cpus(cpus, [set(c) for n, c in gathered if n == node])
     return store

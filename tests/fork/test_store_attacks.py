@@ -9,8 +9,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The store as another local user attacks it (the checked directory of PR 02, the cleaners of PR 03, the persistent
-store of PR 09). Needs root: a second, ordinary user (``monai-attacker``) is made for the tests and removed after them;
+The store as another local user attacks it (the checked directory and the cleaners of PR 02, the persistent
+store of the fork's layer). Needs root: a second, ordinary user (``monai-attacker``) is made for the tests and removed after them;
 its actions are shell commands run with ``setpriv``. The victim is this process (root's privileges do not matter
 here: the store checks who owns what, not who may access it).
 

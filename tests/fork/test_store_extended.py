@@ -11,7 +11,7 @@
 """
 The extended tests of PR 02's ``SharedCacheStore`` core, which do not fit the exported
 ``tests/data/test_cache_store.py``: every dtype and container of the round trip, the zero-copy mappings, the lifetime
-across processes and interpreters, 20,000 items with few descriptors, and (with PR 06's wiring) the store as the
+across processes and interpreters, 20,000 items with few descriptors, and (with PR 02's wiring) the store as the
 runtime cache of datasets, DataLoader workers and gloo ranks.
 """
 
@@ -600,7 +600,7 @@ class TestResources(StoreCase):
     def test_nothing_in_an_unchecked_directory_is_opened(self) -> None:
         store = self.new_store()
         pickled = pickle.dumps(store)
-        if os.path.exists(os.path.join(store.path, ".budget")):  # with the budget (PR 05)
+        if os.path.exists(os.path.join(store.path, ".budget")):  # with the layer's budget
             os.unlink(os.path.join(store.path, ".budget"))
         os.mkfifo(os.path.join(store.path, ".budget"))  # opening it would block until someone writes
         os.chmod(store.path, 0o755)  # readable by others: refused

@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-A store on a real file system that is full or read-only (PRs 05 and 11): a tmpfs with few inodes, mounted in a
+A store on a real file system that is full or read-only (PR 02 and the fork's layer): a tmpfs with few inodes, mounted in a
 private mount namespace (root and ``unshare --mount``), and remounted read-only. Its free bytes stay large, so the
 budget sees room and the kernel's own ``ENOSPC``/``EROFS`` is what the store meets, at open and mid-run, in the main
 process and in DataLoader workers. In every case the epochs complete and every item is right.

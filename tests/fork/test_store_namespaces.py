@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-PR 03's leftovers across PID namespaces (containers that share ``/dev/shm`` but not their processes): a store is kept
+PR 02's leftovers across PID namespaces (containers that share ``/dev/shm`` but not their processes): a store is kept
 while a participant in any namespace lives, and removed at once when all of them are gone, however they ended.
 Needs ``unshare --pid`` (root here).
 """

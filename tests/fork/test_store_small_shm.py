@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-PR 05's budget where it matters, through PR 06's ``CacheDataset``: Docker's default 64 MB ``/dev/shm``, which the store
+PR 02's reserve where it matters, through PR 05's ``CacheDataset``: Docker's default 64 MB ``/dev/shm``, which the store
 and the DataLoader's batches share. A tmpfs of that size is mounted on ``/dev/shm`` in a private mount namespace (root
 and ``unshare --mount``).
 """
