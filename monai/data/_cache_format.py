@@ -9,10 +9,9 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The item files of :py:class:`monai.data.cache_store.SharedCacheStore`, read back without a copy: a reader maps a file
-privately, copy-on-write, and its arrays and tensors are views of the mapping. A file is a prefix, the key (checked on
-read), a table of buffers, the protocol-5 pickle stream, then the bytes of each numpy array or CPU tensor, 64-byte
-aligned. An item comes from one mapping of one file: never a mix of two. ``os.pwrite`` makes a full disk an error.
+The item files of :py:class:`monai.data.cache_store.SharedCacheStore`: a prefix, the key (checked on read), a table of
+buffers, the protocol-5 pickle stream, then the bytes of each array or CPU tensor, 64-byte aligned, so that a reader's
+private mapping of the file gives them as views, with no copy.
 """
 
 from __future__ import annotations
@@ -35,19 +34,18 @@ _PREFIX = struct.Struct("<8sHHIQIIQ")  # magic, version, flags, header_len, tota
 _ENTRY = struct.Struct("<QQ")
 _ALIGN = 64
 FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"  # opens a descriptor's file again
-_SMALL_FILE = 64 * 1024  # smaller files are read into memory, larger ones mapped
-_GPU = "SharedCacheStore stores CPU tensors only, got one on {}: keep the cached transforms on the CPU and move the "
-_GPU += "data to the GPU after them, e.g. with EnsureTyped(keys, device=...) after the first random transform."
+_SMALL_FILE = 64 * 1024  # smaller files are read, larger ones mapped
+_GPU = "SharedCacheStore stores CPU tensors only, got one on {}"
 UNSTORABLE = "Such items are computed without being stored. To cache them, keep the cached transforms on the CPU (move "
-UNSTORABLE += "the data to the device after them), or cache them per rank with runtime_cache=False."
+UNSTORABLE += "the data to the device after them, e.g. with EnsureTyped(keys, device=...)), or use runtime_cache=False."
 
 
 class CorruptItemError(Exception):
-    """A file that is not a complete item of this format."""
+    pass
 
 
 def _plain_state(cls: type) -> bool:
-    """Whether a tensor subclass (such as MetaTensor) pickles as its data plus ``__dict__``, so can be rebuilt."""
+    """Whether a tensor subclass (such as MetaTensor) pickles as its data and ``__dict__``."""
     names = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
     if any(getattr(cls, n, None) is not getattr(torch.Tensor, n, None) for n in names):
         return False
@@ -71,7 +69,7 @@ def _rebuild_ndarray(buffer: Any, dtype: np.dtype, shape: tuple, order: Any) -> 
 
 
 class _Pickler(pickle.Pickler):
-    """Protocol 5, with the bytes of CPU tensors and numpy arrays out of band; tensors are stored detached."""
+    """Protocol 5, with the bytes of CPU tensors and numpy arrays out of band."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -105,13 +103,7 @@ def _align(n: int) -> int:
 
 
 def encode(key: str, item: Any) -> tuple[list[tuple[int, memoryview]], int]:
-    """
-    Serialize ``item`` under ``key``: the ``(offset, bytes)`` chunks of the file, and its total length.
-
-    Raises:
-        TypeError: ``item`` holds a tensor that is not on the CPU.
-        Exception: whatever pickling ``item`` raises.
-    """
+    """The ``(offset, bytes)`` chunks of the file of ``item`` under ``key``, and its length; raises if pickle fails."""
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
     _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(item)
@@ -131,7 +123,6 @@ def encode(key: str, item: Any) -> tuple[list[tuple[int, memoryview]], int]:
 
 
 def write_item(fd: int, chunks: list[tuple[int, memoryview]]) -> None:
-    """Write the ``(offset, bytes)`` chunks of an encoded item to the new file ``fd`` (the gaps read as zeros)."""
     for offset, data in chunks:
         while data.nbytes:
             n = os.pwrite(fd, data, offset)
@@ -141,21 +132,13 @@ def write_item(fd: int, chunks: list[tuple[int, memoryview]]) -> None:
 
 
 def read_file(d: Any, name: str, map_large: Callable[[int, os.stat_result, str], memoryview]) -> tuple[memoryview, int]:
-    """
-    A private, writable copy-on-write view of the file ``name`` in the store directory ``d`` (checked before a byte
-    is read: see ``Dir.open_checked``; a large one mapped by ``map_large``), and its inode; no descriptor stays open.
-
-    Raises:
-        FileNotFoundError: there is no file at ``name`` (or it was replaced while it was mapped).
-        PermissionError: it is a link, or not a regular file of this user that others cannot write.
-        OSError: the file cannot be read or mapped.
-    """
-    found = d.open_checked_stat(name)  # one fstat: the check's
+    """A private view of the file ``name`` in the directory ``d``, checked before a byte is read, and its inode."""
+    found = d.open_checked_stat(name)
     if found is None:
         raise PermissionError(errno.EPERM, "a link, or not a private file: not an item the store wrote", name)
     fd, st = found
     try:
-        if st.st_size < _SMALL_FILE:  # read into an aligned buffer
+        if st.st_size < _SMALL_FILE:  # into an aligned buffer
             arr = np.empty(st.st_size + _ALIGN, dtype=np.uint8)
             start = -arr.__array_interface__["data"][0] % _ALIGN
             view, got = memoryview(cast(Any, arr[start : start + st.st_size])), 0
@@ -168,12 +151,7 @@ def read_file(d: Any, name: str, map_large: Callable[[int, os.stat_result, str],
 
 
 def decode(buf: memoryview, key: str) -> Any:
-    """
-    The item in the file content ``buf``, or ``MISS`` if the file holds another key.
-
-    Raises:
-        CorruptItemError: ``buf`` is not a complete item of this format.
-    """
+    """The item in the file content ``buf``, or ``MISS`` if it holds another key; raises ``CorruptItemError``."""
     if buf.nbytes < _PREFIX.size:
         raise CorruptItemError("truncated header")
     magic, version, _, header_len, total, key_len, n_buffers, pickle_len = _PREFIX.unpack_from(buf, 0)

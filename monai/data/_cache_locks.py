@@ -9,16 +9,13 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-How the processes sharing a :py:class:`monai.data.cache_store.SharedCacheStore` coordinate: who still uses the store,
-whose temporary files are dead, which directories are left over.
+The directory of a :py:class:`monai.data.cache_store.SharedCacheStore` and how its processes coordinate.
 
-Each question is whether some process is still alive, and pids cannot answer it across PID namespaces (containers
-sharing ``/dev/shm`` see each other's files, not each other's processes). So each fact is an ``fcntl.flock`` lock on
-a file of the store, which the kernel releases when its holder dies, in any namespace: a lock that can be taken
-means that its holder is gone. Using a store is a shared lock on ``<store>/.lock`` per store object, and writing an
-item an exclusive lock on its temporary file in ``.tmp/``. Locks are held on descriptors that a forked child closes
-at once, so a DataLoader worker never keeps or removes a store.
-Without ``fcntl`` (Windows) there is no store: :py:data:`AVAILABLE`, the one place that asks, is ``False``.
+Whether a process still uses a store or writes a file cannot be told by pids across PID namespaces (containers that
+share ``/dev/shm``), so each is an ``fcntl.flock`` lock, which the kernel releases when its holder dies: using a store
+is a shared lock on ``<store>/.lock``, writing an item an exclusive lock on its temporary file in ``.tmp/``. A forked
+child closes the locks it inherits, so a DataLoader worker never keeps or removes a store. Without ``fcntl`` (Windows)
+:py:data:`AVAILABLE` is ``False``.
 """
 
 from __future__ import annotations
@@ -37,30 +34,25 @@ except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
 AVAILABLE = fcntl is not None
-ENV_ROOT = "MONAI_CACHE_ROOT"  # where new stores are created, instead of /dev/shm
+ENV_ROOT = "MONAI_CACHE_ROOT"
 PREFIX = "monai-cache-"
-LOCK_FILE, _NEW_LOCK = ".lock", ".lock-new"  # a creator holds `.lock-new` before it is renamed: cleaners ignore it
-MARK = ".monai-cache"  # written into every directory the store makes: no other directory is joined or removed
-KEEP = ".persistent"  # in a store that its last user and the cleaners keep: see mark_kept
+LOCK_FILE, _NEW_LOCK = ".lock", ".lock-new"  # cleaners ignore a store whose creator still holds `.lock-new`
+MARK = ".monai-cache"  # in every directory that a store makes: no other directory is joined or removed
+KEEP = ".persistent"  # see mark_kept
 NETWORK_FS = ("nfs", "nfs4", "lustre", "fuse", "cifs", "smb3", "ceph", "glusterfs", "gpfs", "beegfs", "9p")
 _MOUNTINFO = "/proc/self/mountinfo"
-_WARNED: set[str] = set()  # the network roots warned about in this process
-_MIN_AGE = 5.0  # seconds: a store without a lock file, or an unlocked temporary file, younger than this is kept
-_PATIENCE = 0.25  # seconds a leaver waits for children forked just before to close their copy of its lock
-_POLL_MIN, _POLL_MAX = 0.001, 0.05
+_WARNED: set[str] = set()
+_MIN_AGE = 5.0  # seconds: younger unlocked files, and stores without a lock file, may be about to be locked
+_PATIENCE = 0.25  # seconds a leaver waits for the children it forked just before to close their copy of its lock
+_POLL_MAX = 0.05
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _OPEN = os.O_RDWR | _NOFOLLOW
 
 
 class Dir:
     """
-    A directory of a store, opened once without following a link and checked (``fstat``: this user's, mode
-    ``0o700``): every later operation goes through its descriptor, so renaming or replacing the path redirects none.
-
-    Raises:
-        FileNotFoundError: there is no directory at ``path``.
-        PermissionError: it is a symbolic link, or not a private directory of this user; with ``mark``, or not one
-            that the store made.
+    A directory opened once without following a link, and checked: this user's, mode ``0o700`` and, with ``mark``, made
+    by a store. Everything after goes through its descriptor, so that renaming or replacing the path redirects nothing.
     """
 
     def __init__(self, path: str, name: str | None = None, at: Dir | None = None, mark: bool = False) -> None:
@@ -72,7 +64,7 @@ class Dir:
             if err.errno != errno.ENOENT:
                 raise _refuse(self.path, "a symbolic link or not a directory") from err
             raise FileNotFoundError(errno.ENOENT, f"SharedCacheStore: {self.path!r} does not exist") from None
-        self._finalizer = weakref.finalize(self, os.close, self.fd)  # never while in use: no descriptor is reused
+        self._finalizer = weakref.finalize(self, os.close, self.fd)  # closed with its last user: never reused early
         st = self.ident = os.fstat(self.fd)
         if st.st_uid != os.getuid():
             raise _refuse(self.path, f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
@@ -88,7 +80,7 @@ class Dir:
             os.close(found[0])
 
     def moved(self) -> bool:
-        """Whether ``path`` no longer names this directory: removed, or renamed away and replaced."""
+        """Whether ``path`` no longer names this directory."""
         try:
             st = os.stat(self.path, follow_symlinks=False)
         except OSError:
@@ -99,12 +91,11 @@ class Dir:
         return os.open(name, flags | _NOFOLLOW, mode, dir_fd=self.fd)
 
     def open_checked_stat(self, name: str) -> tuple[int, os.stat_result] | None:
-        """``name`` opened to read, and its status, if a regular file of this user, of one link, that others cannot
-        write."""
+        """``name`` opened to read, and its status, if a regular file of this user, of one link, closed to writers."""
         try:
             fd = self.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO does not block
         except OSError as err:
-            if err.errno == errno.ELOOP:  # a symbolic link
+            if err.errno == errno.ELOOP:
                 return None
             raise
         st = os.fstat(fd)
@@ -124,18 +115,17 @@ class Dir:
             return [e.name for e in it]
 
     def remove(self) -> None:
-        """Remove all that this directory holds, through its descriptor and following no link, then the directory:
-        only the store's processes (this user's) can write into a directory that it made and checked."""
+        """Remove what this directory holds, following no link, then the directory if it is still at its path."""
         for name in self.names():
             try:
                 self.unlink(name)
-            except OSError:  # a directory (EISDIR; EPERM on macOS): its files too, if it is a private one
+            except OSError:  # a directory: emptied too, if it is a private one
                 try:
                     Dir(self.path, name, self).remove()
-                    os.rmdir(name, dir_fd=self.fd)  # through this directory, even if its path has moved
+                    os.rmdir(name, dir_fd=self.fd)
                 except OSError:
                     pass
-        try:  # the directory itself, if it is still at its path (rmdir removes only an empty directory)
+        try:
             if not self.moved():
                 os.rmdir(self.path)
         except OSError:
@@ -143,15 +133,17 @@ class Dir:
 
 
 class Held:
-    """A lock held on a descriptor of this process; a forked child closes its copy, and holds nothing."""
+    """A lock held on a descriptor of this process; a forked child closes its copy."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         _HELD.add(self)
-        _close_in_forked_children()
+        if not _HOOKED and hasattr(os, "register_at_fork"):  # at the first lock, never at import
+            _HOOKED.append(True)
+            os.register_at_fork(after_in_child=lambda: [held.close() for held in list(_HELD)])
 
     def close(self) -> bool:
-        """Close the descriptor, releasing the lock; ``False`` if this process did not hold it."""
+        """Release the lock; ``False`` if this process did not hold it."""
         fd, self.fd = self.fd, -1
         _HELD.discard(self)
         if fd >= 0:
@@ -160,13 +152,7 @@ class Held:
 
 
 _HELD: weakref.WeakSet[Held] = weakref.WeakSet()
-_HOOKED: list = []  # whether the at-fork hook is registered: at the first lock held, never at import
-
-
-def _close_in_forked_children() -> None:  # in a forked child, the inherited locks are its parent's: closed
-    if not _HOOKED and hasattr(os, "register_at_fork"):
-        _HOOKED.append(True)
-        os.register_at_fork(after_in_child=lambda: [held.close() for held in list(_HELD)])
+_HOOKED: list = []
 
 
 def unlink_quiet(path: str, at: Dir | None = None) -> None:
@@ -176,42 +162,33 @@ def unlink_quiet(path: str, at: Dir | None = None) -> None:
         pass
 
 
-def _same_file(fd: int, path: str, at: Dir | None = None) -> bool:
-    """Whether ``fd`` is still the file at ``path`` (not removed or replaced since it was opened)."""
-    try:
-        st, fst = os.stat(path, dir_fd=None if at is None else at.fd, follow_symlinks=False), os.fstat(fd)
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
-
-
 def try_hold(path: str, flags: int = 0, shared: bool = False, at: Dir | None = None) -> Held | None:
     """
-    Open ``path`` (in the directory ``at``, with ``flags``, such as ``O_CREAT``) and lock it without waiting; ``None``
-    if someone holds a conflicting lock, or (a shared lock) if the file was removed or replaced meanwhile.
+    Open ``path`` (in ``at``, with ``flags``) and lock it without waiting; ``None`` if a conflicting lock is held, or
+    (shared) if the file was removed or replaced meanwhile.
     """
     while True:
         held = Held(os.open(path, _OPEN | flags, 0o600, dir_fd=None if at is None else at.fd))
         try:
             fcntl.flock(held.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BaseException as err:  # no descriptor is left open, after ENOLCK say
+            st, fst = os.stat(path, dir_fd=None if at is None else at.fd, follow_symlinks=False), os.fstat(held.fd)
+            if (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
+                return held
+        except (BlockingIOError, PermissionError):
             held.close()
-            if isinstance(err, (BlockingIOError, PermissionError)):  # someone holds a conflicting lock
-                return None
+            return None
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            held.close()
             raise
-        if _same_file(held.fd, path, at):
-            return held
         held.close()
         if shared:
             return None  # else its holder removed it between our open and our lock: open it anew
 
 
-# -- participation ----------------------------------------------------------------------------------------------------
-
-
 def create(d: Dir) -> Held:
-    """Mark the new store ``d`` as made by a store, make its lock file, and participate: cleaners never see it
-    without a participant."""
+    """Mark the new store ``d``, make its lock file and hold it: cleaners never see it without a user."""
     os.close(d.open(MARK, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
     held = Held(d.open(_NEW_LOCK, _OPEN | os.O_CREAT | os.O_EXCL))
     fcntl.flock(held.fd, fcntl.LOCK_SH)
@@ -220,12 +197,7 @@ def create(d: Dir) -> Held:
 
 
 def join(d: Dir) -> Held:
-    """
-    Participate in the existing store ``d``.
-
-    Raises:
-        FileNotFoundError: the store is gone, or being removed (only a remover holds its lock exclusively).
-    """
+    """Use the store ``d``; ``FileNotFoundError`` if it is being removed (only a remover locks it exclusively)."""
     held = try_hold(LOCK_FILE, shared=True, at=d)
     if held is None:
         raise FileNotFoundError(errno.ENOENT, "the store is being removed", d.path)
@@ -233,8 +205,7 @@ def join(d: Dir) -> Held:
 
 
 def _remove_if_unheld(d: Dir, patience: float = 0.0) -> bool:
-    """Remove the store ``d`` if no one participates, holding its lock meanwhile; whether it was removed."""
-    if _exists(d, KEEP):  # never taken exclusively: a process that joins it meanwhile is never refused
+    if _exists(d, KEEP):  # never locked exclusively: a process that joins it meanwhile is never refused
         return False
     deadline = time.monotonic() + patience
     while True:
@@ -261,15 +232,12 @@ def _exists(d: Dir, name: str) -> bool:
 
 def mark_kept(d: Dir) -> None:
     """
-    Make ``d`` a store that its last user and the cleaners keep, unless it is one: its files are made before its mark,
-    so that an interrupted call leaves a directory that the next one completes. No directory that holds items is listed.
-
-    Raises:
-        ValueError: ``d`` holds something else than a kept store.
+    Make ``d``, empty or such a store already, a store that its last user and the cleaners keep. Its files are made
+    before its mark, so that an interrupted call leaves what the next one completes; ``ValueError`` if it holds more.
     """
     if _exists(d, MARK) and _exists(d, KEEP):
         return
-    names = set(d.names())  # another process may be marking it meanwhile
+    names = set(d.names())
     if not names <= {KEEP, LOCK_FILE, ".tmp", MARK} or (MARK in names and KEEP not in names):
         raise ValueError(
             f"SharedCacheStore: {d.path!r} holds {sorted(names)[:3]} and no store kept across runs: give the path of "
@@ -285,16 +253,16 @@ def mark_kept(d: Dir) -> None:
 
 
 def leave(d: Dir, held: Held) -> bool:
-    """Stop participating; remove the store if no participant is left."""
+    """Stop using the store; remove it if no user is left."""
     return held.close() and _remove_if_unheld(d, _PATIENCE)
 
 
 def fs_type(path: str) -> str | None:
-    """The type of the file system that holds ``path``, read from ``/proc/self/mountinfo``; ``None`` without it."""
+    """The type of the file system that holds ``path``, from ``/proc/self/mountinfo``; ``None`` without it."""
     try:
         with open(_MOUNTINFO) as f:
             mounts = [line.split(" - ", 1) for line in f.read().splitlines() if " - " in line]
-    except OSError:  # not Linux
+    except OSError:
         return None
     real, best, kind = os.path.realpath(path), "", None
     for left, right in mounts:
@@ -305,22 +273,14 @@ def fs_type(path: str) -> str | None:
     return kind
 
 
-def network_fs(path: str) -> str | None:
-    """The type of the network file system holding ``path`` (where ``flock`` may be local to a node), else ``None``."""
-    kind = fs_type(path)
-    return kind if kind is not None and kind.split(".")[0] in NETWORK_FS else None
-
-
 def cleanup_leftovers(root: str) -> list[str]:
     """
-    Remove the ``monai-cache-*`` directories of this user in ``root`` that a store made and in which no process
-    participates: at once if their lock file can be taken, after a few seconds if they have none (a creator died
-    before making it). Other directories, named so or not, stay. Not on a network file system, where ``flock`` may
-    be local to a node or emulated: there a lock that can be taken does not tell that its holder is gone, so nothing
-    is removed, and one warning per process says so.
+    Remove the stores of this user in ``root`` that no process uses: at once if their lock can be taken, after a few
+    seconds if they have none (their creator died first). Not on a network file system, where ``flock`` may be local
+    to a node: a lock that can be taken does not tell that its holder is gone there.
     """
-    kind = network_fs(root)
-    if kind is not None:
+    kind = fs_type(root)
+    if kind is not None and kind.split(".")[0] in NETWORK_FS:
         if root not in _WARNED:
             _WARNED.add(root)
             warnings.warn(
@@ -346,19 +306,15 @@ def cleanup_leftovers(root: str) -> list[str]:
                 done = _remove_if_unheld(d)
             elif done := time.time() - d.ident.st_mtime >= _MIN_AGE:
                 d.remove()
-        except OSError:  # not a directory that a store of this user made: left alone
+        except OSError:  # not a store of this user: left alone
             continue
         if done and not os.path.lexists(path):
             removed.append(path)
     return removed
 
 
-# -- temporary files and directories ----------------------------------------------------------------------------------
-
-
 def open_temp(name: str, tmp: Dir) -> Held:
-    """Create the temporary file ``name`` in ``tmp``, held until it is published or removed (cleaners leave young
-    files)."""
+    """Create the temporary file ``name`` in ``tmp``, locked until it is published or removed."""
     held = try_hold(name, os.O_CREAT | os.O_EXCL, at=tmp)
     if held is None:
         raise FileExistsError(errno.EEXIST, "a temporary file of that name is held", name)

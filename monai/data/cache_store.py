@@ -35,9 +35,9 @@ __all__ = ["SharedCacheStore"]
 _SAFE_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
 _SUBDIR = re.compile(r"\.[0-9A-Za-z_-]{1,64}")  # never the name of an item, nor a path
 _TMP = ".tmp"
-# errors after which a process stops writing to the store: they do not go away by themselves
+# errors that do not go away by themselves: the process stops writing
 _PERSISTENT = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", -1)}
-_NO_ROOM = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", -1)}  # a file system without room, or a quota
+_NO_ROOM = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", -1)}
 _WARN_LOCK = threading.Lock()
 _UNCACHED = "Items are computed without the cache from now on in this process."
 ENV_RESERVE = "MONAI_CACHE_RESERVE_BYTES"
@@ -51,10 +51,10 @@ _MORE = (
 def _attach(
     cls: type[SharedCacheStore], path: str, ident: tuple[int, int], reserve: int | None = None
 ) -> SharedCacheStore:
-    """Unpickle a store without participating (in a DataLoader worker, say): open and check its directory anew."""
+    """Unpickle a store without using it (in a DataLoader worker): its directory is opened and checked anew."""
     store = cls.__new__(cls)
     store.reserve = reserve
-    if ident == (0, 0):  # a store that was never made (no room): it stays so, and never opens its path
+    if ident == (0, 0):  # never made (no room): it stays so
         store._setup(path, None)
         return store
     try:
@@ -85,53 +85,42 @@ def _reserve(value: Any) -> int | None:
 
 class SharedCacheStore:
     """
-    A cache of items that the processes of one machine share without a server: each item is a file in a private
-    directory, by default on ``/dev/shm`` (in memory). A store can be given as the ``runtime_cache`` of
-    :py:class:`monai.data.CacheDataset`.
-
-    An item is written once to a temporary file, published under its key by an atomic ``os.replace``; a read maps it
-    privately and copy-on-write: arrays and tensors are views of the mapping, with no copy and no open descriptor. A
-    store pickles as its path, so DataLoader workers receive it with what holds it; other processes of the same user
-    join it with ``SharedCacheStore(path)``.
-    A store is removed when the last process that made or joined it closes it or exits, even killed; a new store
-    removes the stores of crashed runs in its root. A store leaves room on its file system for the DataLoader, which
-    moves batches through ``/dev/shm`` too: an item that would leave less than ``reserve`` bytes free there is computed
-    and returned without being stored, after one warning per process.
+    A cache that the processes of one machine share without a server, to pass as the ``runtime_cache`` of
+    :py:class:`monai.data.CacheDataset`: each item is a file in a private directory, by default on ``/dev/shm``,
+    published by an atomic rename and read as private copy-on-write views of its mapping. DataLoader workers receive
+    the store pickled as its path; other processes of the user join it with ``SharedCacheStore(path)``. The last process that uses the store removes it, and a new
+    store removes those of crashed runs in its root. An item that would leave less than ``reserve`` bytes free on the
+    file system, which the DataLoader's batches need, is computed without being stored. A fault never fails the job:
+    it gives one warning per process, and items computed without the store.
 
     Args:
         path: the directory of an existing store to join; ``None`` to make a new store.
-        root: where to make a new store: by default the directory named by the environment variable
-            ``MONAI_CACHE_ROOT``, else ``/dev/shm`` if writable, else the temporary directory.
+        root: where to make a new store; by default ``$MONAI_CACHE_ROOT``, else ``/dev/shm``, else the temporary
+            directory.
         reserve: bytes that this process keeps free on the store's file system; by default
-            ``MONAI_CACHE_RESERVE_BYTES`` if set, else half the file system, at most 4 GiB.
+            ``$MONAI_CACHE_RESERVE_BYTES``, else half the file system, at most 4 GiB.
 
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows).
         FileNotFoundError: ``path`` does not exist, or ``MONAI_CACHE_ROOT`` names no directory.
-        PermissionError: ``path`` is not a private directory of this user, or not one that a store made.
-        ValueError: both ``path`` and ``root`` are given, or ``reserve`` (or ``MONAI_CACHE_RESERVE_BYTES``) is not
-            a non-negative integer.
+        PermissionError: ``path`` is not a private directory of this user that a store made.
+        ValueError: both ``path`` and ``root`` are given, or a bad ``reserve``.
 
     Example:
         .. code-block:: python
 
             store = SharedCacheStore()  # a new directory /dev/shm/monai-cache-*
             ds = CacheDataset(data, transform, runtime_cache=store)
-            item = store.get_or_compute(key, compute)  # or directly: computed once, then read back by every process
             other = SharedCacheStore(store.path)  # in another process of this user, on this machine
-            store.close()  # the last one to close (or exit) removes the directory
-
-    Note:
-        A store never makes a job fail: a fault leads to one warning per process, and items computed without it.
 
     Warning:
         Items are unpickled when read, which can run code: a store joins only a directory of this user closed to
-        others (mode ``0o700``, as made). It holds CPU tensors only, and is for the processes of one machine.
+        others, as made. It holds CPU tensors only.
     """
 
-    supported = locks.AVAILABLE  # whether stores can be made here (not without fcntl, as on Windows)
-    reserve: int | None  # bytes kept free where the items count; None: half the file system, at most 4 GiB
-    durable = False  # whether an item is synced to its disk before it is published: for a subclass kept on a disk
+    supported = locks.AVAILABLE  # not without fcntl (Windows)
+    reserve: int | None
+    durable = False  # for a subclass on a disk: items synced before they are published
 
     def __init__(
         self,
@@ -153,16 +142,16 @@ class SharedCacheStore:
             self._setup(path, locks.Dir(path, mark=True))
             try:
                 self._hold(locks.join(self._dir))
-            except FileNotFoundError as err:  # removed by its last participant meanwhile
+            except FileNotFoundError as err:  # removed by its last user meanwhile
                 self._gone = True
                 self._warn_once("the directory is gone", err)
             return
         root = locks.default_root() if root is None else os.fspath(root)
         locks.cleanup_leftovers(root)
-        new, held = cast(locks.Dir, None), cast(locks.Held, None)  # what is made so far, removed if the rest fails
+        new, held = cast(locks.Dir, None), cast(locks.Held, None)
         try:
             new = locks.Dir(os.path.abspath(tempfile.mkdtemp(prefix=locks.PREFIX, dir=root)))  # mode 0o700
-            held = locks.create(new)  # first: cleaners never see the store without a participant
+            held = locks.create(new)
             os.mkdir(_TMP, 0o700, dir_fd=new.fd)
         except BaseException as err:
             if held is not None:
@@ -171,24 +160,23 @@ class SharedCacheStore:
                 new.remove()
             if not isinstance(err, OSError) or err.errno not in _NO_ROOM:
                 raise
-            self._setup(root if new is None else new.path, None)  # the job goes on without the cache
+            self._setup(root if new is None else new.path, None)
             self._warn_once("cannot make a store", err, _MORE)
             return
         self._setup(new.path, new)
         self._hold(held)
 
     def _setup(self, path: str, d: locks.Dir | None) -> None:
-        """Set the store up on its directory ``d``, opened and checked; ``None``: gone, or not to be used."""
-        self._dir = cast(locks.Dir, d)  # None only for a store that is gone, which never uses it
+        """Use the opened and checked directory ``d``; ``None``: gone, or not to be used."""
+        self._dir = cast(locks.Dir, d)
         self._path, self._tmp = path, cast(locks.Dir, None if d is None else locks.Dir(path, _TMP, d))
-        self._ident = (0, 0) if d is None else (d.ident.st_dev, d.ident.st_ino)  # what unpickling checks
+        self._ident = (0, 0) if d is None else (d.ident.st_dev, d.ident.st_ino)
         self._gone, self._writable = d is None, True
-        self._warned: set[tuple[int, str]] = set()  # (pid, what): each process warns once per store
+        self._warned: set[tuple[int, str]] = set()
         self._finalizer: weakref.finalize | None = None
 
     def _hold(self, held: locks.Held) -> None:
-        # at close(), garbage collection or exit; a forked child has closed the inherited lock already
-        self._finalizer = weakref.finalize(self, locks.leave, self._dir, held)
+        self._finalizer = weakref.finalize(self, locks.leave, self._dir, held)  # at close(), collection or exit
 
     @property
     def path(self) -> str:
@@ -202,20 +190,17 @@ class SharedCacheStore:
         return _attach, (type(self), self._path, self._ident, self.reserve)
 
     def get(self, key: str, default: Any = None) -> Any:
-        """The item stored under ``key`` (arrays and tensors: private copy-on-write views), or ``default``."""
+        """The item stored under ``key``, or ``default``."""
         item = self._read(key)
         return default if item is fmt.MISS else item
 
     def put(self, key: str, item: Any) -> bool:
-        """
-        Store ``item`` under ``key``, atomically; whether it was stored: not after a fault, nor an item that pickle
-        cannot store or that holds a tensor off the CPU (one warning says how to keep such items cached).
-        """
+        """Store ``item`` under ``key``; whether it was stored (not past the reserve, after a fault, or unpicklable)."""
         if self._gone or not self._writable:
             return False
         try:
             chunks, total = fmt.encode(key, item)
-        except Exception as err:  # before any file is made; the item is computed without the cache
+        except Exception as err:
             self._warn_once("cannot store some items", err, fmt.UNSTORABLE)
             return False
         why = self.room_for(total)
@@ -224,7 +209,7 @@ class SharedCacheStore:
             return False
         tmp = f"{self.file_stem(key)}-{secrets.token_hex(8)}"
         try:
-            held = locks.open_temp(tmp, self._tmp)  # held while written: cleaners remove killed writers' files only
+            held = locks.open_temp(tmp, self._tmp)  # locked while written: cleaners remove dead writers' files only
             try:
                 fmt.write_item(held.fd, chunks)
                 if self.durable:
@@ -252,11 +237,7 @@ class SharedCacheStore:
 
     @classmethod
     def uncached(cls, path: str, why: OSError) -> SharedCacheStore:
-        """
-        A store that stores nothing, after one warning that the store ``path`` cannot be made or opened because of
-        ``why`` (a full or read-only file system, say): every item is computed, and the job goes on without the cache.
-        A subclass that opens its stores in other ways gives it where the constructor would give up.
-        """
+        """A store that stores nothing, after one warning that ``path`` cannot be made or opened because of ``why``."""
         store = cls.__new__(cls)
         store.reserve = None
         store._setup(path, None)
@@ -264,7 +245,7 @@ class SharedCacheStore:
         return store
 
     def discard(self, keys: Iterable[str]) -> None:
-        """Remove the items stored under ``keys``, and nothing else: other datasets may keep items here."""
+        """Remove the items stored under ``keys``."""
         for key in keys:
             try:
                 if not self._gone:
@@ -275,21 +256,15 @@ class SharedCacheStore:
                 self._fault("cannot remove items", err)
 
     def free_space(self) -> tuple[int, int] | None:
-        """
-        The bytes free (to this user) and in all where the store's items count, of which ``reserve`` is kept free:
-        those of its file system, ``None`` if they cannot be told. A subclass may count less (a memory limit, say).
-        """
+        """The bytes free and in all on the store's file system, ``None`` if unknown; a subclass may count less."""
         try:
             st = os.statvfs(self._dir.fd)
-        except (OSError, AttributeError):  # gone, or no statvfs of a descriptor here
+        except (OSError, AttributeError):
             return None
         return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
     def room_for(self, nbytes: int) -> str | None:
-        """
-        Why an item of ``nbytes`` bytes is not to be stored, or ``None`` if it may be: it would leave less than the
-        reserve free where the store's items count (see :py:meth:`free_space`). A subclass may refuse more.
-        """
+        """Why an item of ``nbytes`` bytes is not to be stored (past the reserve), or ``None``; a subclass may add."""
         space = self.free_space()
         if space is None:  # the write itself will tell what is wrong
             return None
@@ -304,32 +279,13 @@ class SharedCacheStore:
 
     @property
     def directory(self) -> locks.Dir:
-        """
-        The store's directory, as it was opened and checked: every operation goes through its descriptor (``fd``,
-        ``path``, ``stat``, ``open``, ``open_checked_stat``, ``unlink``, ``names``), so that a subclass's own files
-        follow the store, not its path.
-
-        Raises:
-            FileNotFoundError: the store is closed or its directory is gone.
-        """
+        """The store's directory as opened and checked, for a subclass's own files; ``FileNotFoundError`` if gone."""
         if self._gone:
             raise FileNotFoundError(errno.ENOENT, "the store is closed or gone", self._path)
         return self._dir
 
     def subdir(self, name: str) -> locks.Dir:
-        """
-        The store's own directory ``name`` in its directory, made (mode ``0o700``) if missing, then opened and checked
-        as the store's directory is: where a subclass keeps files of its own next to the items (notes, counts). It goes
-        with the store.
-
-        Args:
-            name: a dot, then 1 to 64 letters, digits, ``_`` or ``-``, such as ``".notes"``.
-
-        Raises:
-            ValueError: ``name`` is not such a name.
-            OSError: the store is closed or its directory is gone; ``PermissionError`` if ``name`` is a link or not a
-                private directory of this user.
-        """
+        """The store's own directory ``name`` (a dot, then 1 to 64 of ``[0-9A-Za-z_-]``), made if missing, checked."""
         if not _SUBDIR.fullmatch(name):
             raise ValueError(
                 f"a directory of the store is a dot, then 1 to 64 letters, digits, '_' or '-', got {name!r}."
@@ -343,39 +299,29 @@ class SharedCacheStore:
 
     @staticmethod
     def mark_kept(path: str | os.PathLike) -> None:
-        """
-        Make the directory ``path``, empty or such a store already, a store that its last user and the cleaners of
-        leftovers keep, which ``SharedCacheStore(path)`` then joins: for a subclass that keeps its items across runs
-        (it tells the items of other versions apart, see :py:meth:`file_stem`).
-
-        Raises:
-            FileNotFoundError: ``path`` does not exist.
-            PermissionError: ``path`` is not a private directory of this user.
-            ValueError: ``path`` holds something else than such a store.
-        """
+        """Make ``path``, an empty private directory or such a store, a store that is never removed when unused."""
         locks.mark_kept(locks.Dir(os.path.abspath(os.fspath(path))))
 
     def close(self) -> None:
-        """Stop using the store here; remove it if no other process uses it. A DataLoader worker's copy never does."""
+        """Stop using the store here; remove it if no other process uses it."""
         self._gone = True
         if self._finalizer is not None:
             self._finalizer()
 
     def map_item(self, fd: int, st: os.stat_result, name: str) -> memoryview:
-        """A private copy-on-write mapping of the large item file ``name``, open at ``fd`` and checked (``st``)."""
-        try:  # no descriptor kept: unmapped with the last view; a subclass may reuse an earlier mapping instead
+        """A private copy-on-write mapping of the checked item file ``name``, open at ``fd``."""
+        try:  # unmapped with the last view; a subclass may reuse an earlier mapping instead
             storage = torch.UntypedStorage.from_file(f"{fmt.FD_DIR}/{fd}", shared=False, nbytes=st.st_size)
-        except RuntimeError as err:  # truncated meanwhile, or the mapping failed
+        except RuntimeError as err:
             raise OSError(errno.EIO, str(err), name) from err
         return memoryview(cast(Any, torch.empty(0, dtype=torch.uint8).set_(cast(Any, storage)).numpy()))
 
     def file_stem(self, key: str) -> str:
-        """The name of ``key``'s files (``<stem>.item``): ``key`` if a safe name, else its sha256; a subclass may add a
-        version to it."""
+        """The name of ``key``'s files: ``key`` if safe, else its sha256; a subclass may add a version."""
         return key if _SAFE_KEY.fullmatch(key) else hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
     def _file(self, key: str, suffix: str) -> str:
-        return self.file_stem(key) + suffix  # in the store's directory
+        return self.file_stem(key) + suffix
 
     def _read(self, key: str) -> Any:
         path, ino = self._file(key, ".item"), None
@@ -398,7 +344,6 @@ class SharedCacheStore:
         return fmt.MISS
 
     def _fault(self, what: str, err: OSError) -> None:
-        """Degrade after an error of the file system: warn once, and stop using the store or writing to it."""
         if self._dir.moved():
             self._gone, what = True, "the directory is gone or replaced"
         elif err.errno in _PERSISTENT:
@@ -406,7 +351,6 @@ class SharedCacheStore:
         self._warn_once(what, err)
 
     def _warn_once(self, what: str, why: object, then: str = _UNCACHED) -> None:
-        """Warn, once per process and store, that ``what`` (because of ``why``), and ``then``."""
         with _WARN_LOCK:
             if (os.getpid(), what) in self._warned:
                 return

@@ -8,14 +8,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""
-One runtime cache per node for the ranks of a distributed job: :py:func:`create_shared_cache`.
-
-``CacheDataset`` never talks to other ranks (a dataset constructor that makes hidden collective calls deadlocks as
-soon as one rank builds its datasets in another order, or not at all; see MONAI issues #5365 and #5630). Sharing a
-cache between the ranks of a node is therefore set up explicitly, once, by the collective call of this module, and
-the store it returns is passed to ``CacheDataset(..., runtime_cache=store)``.
-"""
+"""One runtime cache per node for the ranks of a distributed job: :py:func:`create_shared_cache`."""
 
 from __future__ import annotations
 
@@ -34,14 +27,12 @@ if TYPE_CHECKING:
 
 __all__ = ["create_shared_cache"]
 
-#: environment variable naming the node of this process (default: the host name), see :py:func:`create_shared_cache`
 NODE_ID_ENV = "MONAI_CACHE_NODE_ID"
 
 _OK, _ERROR = "ok", "error"
 
 
 def _node_identity(node_id: str | None) -> str:
-    """The node of this process: ``node_id``, else ``$MONAI_CACHE_NODE_ID``, else the host name."""
     if node_id is not None:
         return str(node_id)
     return os.environ.get(NODE_ID_ENV) or socket.gethostname()
@@ -52,7 +43,7 @@ def _is_world(group: ProcessGroup | None) -> bool:
 
 
 def _object_collectives_on_cpu(group: ProcessGroup | None) -> bool:
-    """Whether ``all_gather_object`` over ``group`` runs on the CPU (a ``cpu:`` backend such as gloo), not on a GPU."""
+    """Whether ``all_gather_object`` over ``group`` runs on the CPU (a ``cpu:`` backend such as gloo)."""
     try:
         config = str(dist.get_backend_config(group))
     except Exception:
@@ -61,24 +52,19 @@ def _object_collectives_on_cpu(group: ProcessGroup | None) -> bool:
 
 
 def _exchange_group(group: ProcessGroup | None, timeout: float | None) -> tuple[ProcessGroup | None, bool]:
-    """
-    The group to exchange the small messages of :py:func:`create_shared_cache` over, and whether it was created here
-    (and must be destroyed after use). Must be called by every rank of ``group`` (and of the world if it is the world).
-    """
+    """The group to exchange over, and whether it was made here (to destroy after use). Collective."""
     span = None if timeout is None else timedelta(seconds=timeout)
     if _is_world(group):
         if timeout is None and _object_collectives_on_cpu(group):
             return group, False
         if dist.is_gloo_available():
-            # every rank of the world is here, so a short-lived gloo group can be made: it needs no CUDA device and
-            # bounds every wait of the exchange by `timeout`
+            # every rank of the world is here to make one: it needs no GPU, and bounds every wait by `timeout`
             return dist.new_group(backend="gloo", timeout=span), True
         if timeout is not None:
             raise ValueError("create_shared_cache: `timeout` needs the gloo backend, which this PyTorch lacks.")
         return group, False  # object collectives on the current CUDA device, see the docstring
     if timeout is not None:
-        # a subgroup: creating a group would need every rank of the world, so bound the only unbounded wait (for
-        # the ranks to arrive) with a monitored barrier; after it, the exchange waits at most the group's timeout
+        # making a group would need the whole world: bound the wait for the ranks to arrive with a monitored barrier
         if str(dist.get_backend(group)) != "gloo":
             raise ValueError(
                 f"create_shared_cache: `timeout` with a subgroup needs a gloo group, got backend "
@@ -90,15 +76,12 @@ def _exchange_group(group: ProcessGroup | None, timeout: float | None) -> tuple[
 
 
 def process_cpus() -> set[int]:
-    """The CPUs this process may run on (every CPU of the machine where the platform cannot tell)."""
+    """The CPUs this process may run on."""
     return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
 def share_of_cpus(mine: set[int], node: list[set[int]]) -> int:
-    """
-    This rank's share of its node's CPUs: the CPUs that the ``node``'s ranks (this one among them) may run on,
-    divided evenly among them, at most the CPUs of this rank, at least 1.
-    """
+    """The CPUs of the ``node``'s ranks divided evenly among them, at most this rank's ``mine``, at least 1."""
     return max(1, min(len(mine), len(set().union(*node)) // len(node)))
 
 
@@ -109,7 +92,6 @@ def _all_gather(obj: Any, group: ProcessGroup | None) -> list[Any]:
 
 
 def _failures(nodes: list[str], outcomes: list[Any]) -> list[str]:
-    """``"rank r (node n): error"`` for every outcome that is an error marker."""
     return [
         f"rank {r} (node {nodes[r]!r}): {o[1]}"
         for r, o in enumerate(outcomes)
@@ -127,70 +109,49 @@ def create_shared_cache(
     store_type: Callable[..., SharedCacheStore] = SharedCacheStore,
 ) -> SharedCacheStore:
     """
-    Create one :py:class:`~monai.data.SharedCacheStore` per node for the ranks of ``group``: the ranks of a node, and
-    their DataLoader workers, share one cache, so every item is computed once per node and held once in its memory.
-    Pass the store to ``CacheDataset(data, transform, runtime_cache=store)`` on every rank.
+    Create one :py:class:`~monai.data.SharedCacheStore` per node for the ranks of ``group``, to pass to
+    ``CacheDataset(data, transform, runtime_cache=store)`` on every rank: the ranks of a node and their DataLoader
+    workers share it, so every item is computed once per node and held once in its memory.
 
-    The ranks exchange their node identities (small objects over ``all_gather_object``, so any backend works); the
-    lowest rank of each node creates the node's store, which also removes the leftovers of crashed runs in ``root``;
-    the other ranks of the node attach to it by its path; a last exchange makes sure that every rank has attached
-    before any returns (and may close). Only node identities, paths and error messages cross the network, no data.
-
-    Every rank participates in its node's store: the directory is removed when the last rank of the node closes it or
-    exits, so a rank that finishes early does not pull the cache from under the others. Without an initialized
-    ``torch.distributed`` process group this is a new store of this process, as ``runtime_cache="process"`` makes.
-
-    With ``group=None`` and a GPU-only backend (nccl), or with a ``timeout``, the exchange runs over a short-lived gloo
-    group, made and destroyed here, so no GPU is needed. For a subgroup without a CPU backend, ``all_gather_object``
-    runs on ``torch.cuda.current_device()``: set each rank's device before calling, as for any object collective.
+    The ranks exchange their node identities and CPUs (small objects over ``all_gather_object``; no data); the lowest
+    rank of each node creates the node's store, the others join it by its path, and a last exchange makes sure that
+    every rank uses the store before any returns. The store is removed when the last rank of the node closes it or
+    exits. Without an initialized process group, this is a new store of this process. With ``group=None`` and a
+    GPU-only backend (nccl), or with a ``timeout``, the exchange runs over a short-lived gloo group.
 
     Warning:
-        **This is a collective call.** Every rank of ``group`` calls it once, in the same order relative to the other
-        collective calls of the group (and, with ``group=None``, of the world); a rank that does not call it makes the
-        others wait, until ``timeout`` if given. This is on purpose: a dataset constructor must not make hidden
-        collective calls, which deadlock as soon as the ranks build their datasets in different orders or one rank
-        builds none (MONAI issues #5365 and #5630). ``CacheDataset`` never contacts other ranks: this function is
-        the one explicit place where the ranks agree on a cache.
+        **This is a collective call**: every rank of ``group`` calls it once, in the same order relative to the
+        group's other collective calls. ``CacheDataset`` never contacts other ranks (a dataset constructor that made
+        hidden collective calls would deadlock as soon as ranks build their datasets in other orders: MONAI issues
+        #5365 and #5630); this function is the one explicit place where the ranks agree on a cache.
 
     Args:
-        group: the process group whose ranks share caches by node; ``None`` for the world. This process must be a
-            member of it.
-        root: where each node's store is created (the value of the lowest rank of each node counts); ``None`` for
-            ``MONAI_CACHE_ROOT`` if set, else ``/dev/shm``, else the temporary directory. The ranks of a node must see
-            the same file system there.
-        node_id: the identity of this process's node: ranks with the same identity share a store, so they must run on
-            one machine. Defaults to the environment variable ``MONAI_CACHE_NODE_ID`` if set, else the host name.
-        timeout: bound, in seconds, on every wait of the exchange, such as for a rank that never calls this
-            function; ``None`` for the group's own timeout. With a subgroup, which must then be a gloo group, a
-            ``monitored_barrier`` with this timeout waits for the ranks to arrive.
-        reserve: bytes each node's store keeps free on its file system for the DataLoader's shared memory (see
-            :py:class:`~monai.data.SharedCacheStore`).
-        store_type: what makes the stores, ``SharedCacheStore`` or a subclass of it: called as
-            ``store_type(root=root, reserve=reserve)`` on the lowest rank of each node, and as
-            ``store_type(path, reserve=reserve)`` on the others.
+        group: the process group whose ranks share a store per node; ``None`` for the world.
+        root: where each node's store is made (the lowest rank's value counts); see ``SharedCacheStore``.
+        node_id: this process's node: ranks with the same identity share a store, so they must run on one machine.
+            By default ``$MONAI_CACHE_NODE_ID``, else the host name.
+        timeout: bound, in seconds, on every wait of the exchange (for a rank that never calls, say); ``None`` for
+            the group's own. With a subgroup, which must then be a gloo group, a ``monitored_barrier`` waits for it.
+        reserve: bytes that each store keeps free for the DataLoader's shared memory; see ``SharedCacheStore``.
+        store_type: what makes the stores, called as ``store_type(root=root, reserve=reserve)`` on the lowest rank of
+            each node and ``store_type(path, reserve=reserve)`` on the others.
 
     Returns:
-        this rank's handle of its node's store. Pass it as ``runtime_cache``; ``close()`` it when the rank no longer
-        needs the cache, or let it be closed at exit. Its ``node_cpus`` is this rank's share of the node's CPUs (the
-        CPUs that the node's ranks may run on, divided evenly among them), the threads that ``CacheDataset.fill``
-        computes with by default, so that the ranks of a node that fill at once keep its CPUs busy without
-        oversubscribing them.
+        this rank's handle of its node's store; ``close()`` it when done, or let it close at exit. Its ``node_cpus`` is
+        this rank's share of the node's CPUs, the threads that ``CacheDataset.fill`` computes with by default.
 
     Raises:
-        NotImplementedError: on a platform without ``fcntl`` (Windows), on every rank before any collective call.
-        ValueError: ``timeout`` is not positive, ``reserve`` is not a non-negative integer, this process is not a
-            member of ``group``, or ``timeout`` is given with a subgroup that is not a gloo group.
-        RuntimeError: on every rank, if any node's store could not be made or any rank
-            could not attach to its node's store (ranks on different machines with one node identity, say); the
-            message names the ranks and errors.
-            Errors of the collectives themselves (a timeout) are raised as ``torch.distributed`` raises them.
+        NotImplementedError: without ``fcntl`` (Windows), on every rank before any collective call.
+        ValueError: a bad ``timeout`` or ``reserve``, this process is not in ``group``, or ``timeout`` with a subgroup
+            that is not a gloo group.
+        RuntimeError: on every rank, if a store could not be made or joined on any rank; the message names them.
 
     Example:
         .. code-block:: python
 
             dist.init_process_group("gloo")  # under torchrun, say
-            store = create_shared_cache()  # collective: every rank calls it, once
-            ds = CacheDataset(data, transform, runtime_cache=store)  # makes no collective call
+            store = create_shared_cache()  # every rank, once
+            ds = CacheDataset(data, transform, runtime_cache=store)
             loader = DataLoader(ds, batch_size=2, num_workers=2, sampler=DistributedSampler(ds))
     """
     if timeout is not None and not timeout > 0:
