@@ -19,7 +19,6 @@ import pickle
 import shutil
 import signal
 import tempfile
-import threading
 import time
 import unittest
 import warnings
@@ -31,12 +30,12 @@ import torch
 from parameterized import parameterized
 
 from monai.data import MetaTensor
+from monai.data import _cache_locks as locks
 from monai.data.cache_store import SharedCacheStore
 
-FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
-needs_fork = unittest.skipIf(FORK is None, "needs the fork start method")
 TIMEOUT = 120
+LONG = 3600.0  # patched in as the minimum age, so that "young" cannot depend on how fast a loaded machine runs
 
 
 def _meta() -> MetaTensor:
@@ -76,14 +75,31 @@ class StoreTestCase(unittest.TestCase):
     def setUp(self) -> None:
         self.root = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.root, True)
+        self.ctx = multiprocessing.get_context()
 
-    def new_store(self) -> SharedCacheStore:
-        store = SharedCacheStore(root=self.root)
+    def new_store(self, cls: type[SharedCacheStore] = SharedCacheStore, **kwargs) -> SharedCacheStore:
+        store = cls(root=self.root, **kwargs)
         self.addCleanup(store.close)
         return store
 
     def files(self, store: SharedCacheStore, where: str = "") -> list[str]:
         return sorted(n for n in os.listdir(os.path.join(store.path, where)) if where or n.endswith(".item"))
+
+    def refuse(self, store: SharedCacheStore, item=1) -> str:
+        """Put an item that the store refuses; the one warning."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertFalse(store.put("refused", item))
+        (message,) = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        return message
+
+    def start(self, target, *args):
+        """Start ``target(*args, sender)`` in a child process, killed at the end of the test; the child, a receiver."""
+        receiver, sender = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=target, args=(*args, sender))
+        proc.start()
+        self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
+        return proc, receiver
 
 
 @needs_store
@@ -152,6 +168,24 @@ class TestFaults(StoreTestCase):
         self.assertEqual([str(w.message).count("No space left") for w in caught], [1])  # one warning
         self.assertEqual((self.files(store), self.files(store, ".tmp"), store.get("old")), (["old.item"], [], 1))
 
+    def test_reserve(self):
+        full = self.new_store(reserve=2**62)  # more than any file system has free: nothing is stored
+        message = self.refuse(full, np.ones(10))
+        for part in ("(reserve)", "--shm-size", "--ipc=host", "MONAI_CACHE_ROOT"):
+            self.assertIn(part, message)
+        self.assertEqual((full.get_or_compute("k", lambda: 3), self.files(full), full.get("k")), (3, [], None))
+        self.assertTrue(self.new_store(reserve=0).put("k", np.ones(10)))
+
+    @parameterized.expand([("full", errno.ENOSPC, locks, "create"), ("read_only", errno.EROFS, tempfile, "mkdtemp")])
+    def test_no_room_to_make_a_store(self, _, code, where, what):
+        with mock.patch.object(where, what, side_effect=OSError(code, os.strerror(code))):
+            with self.assertWarnsRegex(RuntimeWarning, "cannot make a store.*MONAI_CACHE_ROOT"):
+                store = self.new_store()  # the job goes on, without the cache
+        self.assertEqual((store.get_or_compute("k", lambda: 3), store.put("k", 1), store.get("k")), (3, False, None))
+        self.assertEqual(os.listdir(self.root), [])  # nothing left behind
+        copy = pickle.loads(pickle.dumps(store))  # stays without a cache, and never opens a path
+        self.assertEqual((copy.put("k", 1), copy.get("k")), (False, None))
+
 
 @needs_store
 class TestSecurity(StoreTestCase):
@@ -175,28 +209,6 @@ class TestSecurity(StoreTestCase):
         if kind not in ("link", "file"):
             self.assertEqual(sorted(os.listdir(path)), [".lock", "a.item", "notes.txt"])  # nothing removed
 
-    @parameterized.expand([("symlink",), ("hardlink",), ("fifo",)])
-    def test_planted_item_file_is_a_miss(self, kind):
-        store, other = self.new_store(), self.new_store()
-        other.put("k", "planted")
-        planted = os.path.join(store.path, "k.item")
-        if kind == "symlink":
-            os.symlink(os.path.join(other.path, "k.item"), planted)
-        elif kind == "hardlink":
-            os.link(os.path.join(other.path, "k.item"), planted)
-        else:
-            os.mkfifo(planted, 0o600)
-        before = Path(other.path, "k.item").read_bytes()
-        got: list = []
-        reader = threading.Thread(target=lambda: got.append(store.get("k", "miss")), daemon=True)
-        with self.assertWarnsRegex(RuntimeWarning, "not an item the store wrote"):
-            reader.start()
-            reader.join(TIMEOUT)  # a FIFO opened without O_NONBLOCK would block here forever
-        self.assertEqual(got, ["miss"])
-        self.assertEqual(Path(other.path, "k.item").read_bytes(), before)  # the target is untouched
-        self.assertEqual(store.get_or_compute("k", lambda: "mine"), "mine")  # replaces the planted entry only
-        self.assertEqual((store.get("k"), other.get("k")), ("mine", "planted"))
-
     def test_renamed_and_replaced_directory(self):
         store = self.new_store()
         store.put("k", "mine")
@@ -215,33 +227,83 @@ class TestSecurity(StoreTestCase):
         os.rmdir(moved)
 
 
-def _slow_writer(store: SharedCacheStore) -> None:
-    real_write = os.pwrite
+def _create_and_wait(root, conn) -> None:
+    store = SharedCacheStore(root=root)
+    conn.send(store.path)  # a pipe, not a queue: a queue's lock may die with a killed child
+    time.sleep(TIMEOUT)  # to be killed
 
-    def slow_write(fd, data, offset):
+
+def _join_and_wait(path, event, conn) -> None:
+    store = SharedCacheStore(path)
+    conn.send(True)
+    event.wait(TIMEOUT) and store.close()
+
+
+def _slow_writer(store: SharedCacheStore, conn) -> None:
+    real = os.pwrite  # each write of the item is of a page, and tells the parent that the temporary file exists
+
+    def slow(fd: int, data, at: int) -> int:
+        if memoryview(data).nbytes <= 16:  # not the item: the store's count of bytes and items (the fork's layer)
+            return real(fd, data, at)
+        conn.send(1)
         time.sleep(0.01)
-        return real_write(fd, memoryview(data)[:4096], offset)
+        return real(fd, memoryview(data)[:4096], at)
 
-    os.pwrite = slow_write  # type: ignore[assignment]
+    os.pwrite = slow
     store.put("big", np.zeros(1 << 20, dtype=np.uint8))  # 256 slow writes: killed long before the end
 
 
+def _backdate(path: str, seconds: float) -> None:
+    os.utime(path, (time.time() - seconds,) * 2)
+
+
 @needs_store
-class TestLifetime(StoreTestCase):
-    @needs_fork
-    def test_killed_writer_leaves_no_item(self):
+class TestLeftovers(StoreTestCase):
+    @parameterized.expand([("next_store",), ("cleanup_leftovers",)])
+    def test_killed_creator_removed_at_once(self, how):
+        proc, receiver = self.start(_create_and_wait, self.root)
+        path = receiver.recv() if receiver.poll(TIMEOUT) else self.fail("no path from the creator")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(TIMEOUT)
+        self.assertTrue(os.path.isdir(path))
+        with mock.patch.object(locks, "_MIN_AGE", LONG):  # its lock file tells that nobody uses it: no age needed
+            if how == "cleanup_leftovers":
+                self.assertEqual(locks.cleanup_leftovers(self.root), [path])
+            left = [] if how == "cleanup_leftovers" else [os.path.basename(self.new_store().path)]
+        self.assertEqual(os.listdir(self.root), left)
+
+    def test_store_in_use_kept(self):
         store = self.new_store()
-        writer = FORK.Process(target=_slow_writer, args=(store,))  # type: ignore[union-attr]
-        writer.start()
-        deadline = time.monotonic() + TIMEOUT
-        while not any(os.path.getsize(os.path.join(store.path, ".tmp", n)) for n in self.files(store, ".tmp")):
-            self.assertLess(time.monotonic(), deadline)
-            time.sleep(0.01)
-        os.kill(writer.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        writer.join(TIMEOUT)
-        self.assertEqual((self.files(store), store.get("big")), ([], None))  # no partial item
-        self.assertTrue(store.put("big", 1))
-        self.assertEqual(store.get("big"), 1)
+        reader = pickle.loads(pickle.dumps(store))  # what a DataLoader worker gets: it does not participate
+        event = self.ctx.Event()
+        proc, receiver = self.start(_join_and_wait, store.path, event)
+        self.assertTrue(receiver.poll(TIMEOUT), "the child did not join")
+        store.close()
+        _backdate(store.path, 2 * locks._MIN_AGE)
+        self.assertEqual(locks.cleanup_leftovers(self.root), [])
+        self.new_store()
+        self.assertEqual((reader.get_or_compute("k", lambda: 4), reader.get("k")), (4, 4))
+        event.set()
+        proc.join(TIMEOUT)
+        self.assertEqual((proc.exitcode, os.path.exists(store.path)), (0, False))  # the last one removed it
+
+    def test_temp_files_of_writers(self):
+        store = self.new_store()
+        tmp = os.path.join(store.path, ".tmp")
+        proc, receiver = self.start(_slow_writer, store)
+        self.assertTrue(receiver.poll(TIMEOUT), "the writer did not start")
+        (name,) = os.listdir(tmp)
+        with mock.patch.object(locks, "_MIN_AGE", 0.0):  # every temporary file is old enough
+            self.assertTrue(store.put("a", 1))
+        self.assertEqual(os.listdir(tmp), [name])  # locked by its live writer: never removed
+        proc.kill()
+        proc.join(TIMEOUT)
+        with mock.patch.object(locks, "_MIN_AGE", LONG):
+            self.assertTrue(store.put("b", 2))
+            self.assertEqual(os.listdir(tmp), [name])  # its writer was killed, but young: another may be starting it
+            _backdate(os.path.join(tmp, name), 2 * LONG)
+            self.assertTrue(store.put("c", 3))
+        self.assertEqual((os.listdir(tmp), store.get("big"), store.get("c")), ([], None, 3))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import os
 import shutil
@@ -20,7 +19,6 @@ import threading
 import time
 import unittest
 from collections import Counter
-from contextlib import redirect_stderr
 from multiprocessing import Manager
 
 import torch
@@ -28,7 +26,7 @@ from parameterized import parameterized
 
 from monai.data import CacheDataset, SharedCacheStore
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
-from tests.test_utils import SkipIfNoModule, skip_if_quick
+from tests.test_utils import skip_if_quick
 
 NO_STORE = "SharedCacheStore needs fcntl, missing on this platform"
 needs_store = unittest.skipUnless(SharedCacheStore.supported, NO_STORE)
@@ -118,24 +116,6 @@ class TestFill(unittest.TestCase):
         self.check_items(ds)
         self.assertEqual(computations(self.log), Counter(range(N)))
 
-    @SkipIfNoModule("tqdm")
-    def test_progress_bar(self) -> None:
-        for progress in (True, False):
-            ds = self.dataset("thread", progress=progress)
-            err = io.StringIO()
-            with redirect_stderr(err):
-                ds.fill()
-            self.assertEqual("Loading dataset" in err.getvalue() and f"{N}/{N}" in err.getvalue(), progress)
-
-    @parameterized.expand([("thread",), ("store",)])
-    def test_hash_as_key_fills_the_unique_inputs(self, mode: str) -> None:
-        data = [3, 1, 3, 0, 1, 2]
-        ds = self.dataset(mode, data, hash_as_key=True)
-        ds.fill()
-        self.assertEqual(computations(self.log), Counter({0: 1, 1: 1, 2: 1, 3: 1}))
-        self.check_items(ds, data)
-        self.assertEqual(computations(self.log), Counter({0: 1, 1: 1, 2: 1, 3: 1}))
-
     def test_threads(self) -> None:
         """``num_threads`` threads compute at once; by default as many as this process's CPUs."""
         threads: set = set()
@@ -166,11 +146,6 @@ class TestFill(unittest.TestCase):
         slow.join(TIMEOUT)
         self.assertTrue(store.fill("k", lambda: computed.append(3) or 3))  # stored by the other thread
         self.assertEqual((computed, store.get("k")), ([], 1))
-
-    def test_no_runtime_cache_nothing_to_fill(self) -> None:
-        ds = self.dataset("eager", cache_rate=0.5)
-        ds.fill()
-        self.assertEqual(computations(self.log), Counter(range(N // 2)))
 
     @skip_if_quick
     @needs_store

@@ -15,7 +15,6 @@ import gc
 import multiprocessing
 import os
 import shutil
-import signal
 import tempfile
 import unittest
 from unittest import mock
@@ -52,14 +51,6 @@ class AddOne(RandomizableTransform):
 def _computed(log: str) -> list[int]:
     with open(log) as f:
         return sorted(int(x) for x in f.read().split())
-
-
-def _killed_run(root: str, log: str) -> None:
-    """A training run that caches its items, then is killed (as by the OOM killer): nothing of it can clean up."""
-    ds = CacheDataset(list(range(4)), Compose([Load(log), AddOne()]), runtime_cache=SharedCacheStore(root=root))
-    for i in range(4):
-        ds[i]
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class TestSharedStore(unittest.TestCase):
@@ -130,21 +121,6 @@ class TestSharedStore(unittest.TestCase):
         stored = 16 - len(_computed(self.log))  # a stored item is computed once, a refused one in each epoch
         self.assertIn(stored, (1, 2, 3))
         self.assertGreaterEqual(free, 32 * MIB - 5 * MIB)  # the reserve (half), less one item of the other writer
-
-    @needs_store
-    def test_killed_run_is_cleaned_up(self):
-        proc = multiprocessing.get_context("spawn").Process(target=_killed_run, args=(self.root, self.log))
-        proc.start()
-        self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
-        proc.join(TIMEOUT)
-        self.assertEqual(proc.exitcode, -signal.SIGKILL)
-        (left,) = os.listdir(self.root)
-        self.assertEqual(len([n for n in os.listdir(os.path.join(self.root, left)) if n.endswith(".item")]), 4)
-        store = SharedCacheStore(root=self.root)
-        self.addCleanup(store.close)
-        ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache=store)
-        self.assertEqual(os.listdir(self.root), [os.path.basename(store.path)])  # the dead run's: gone
-        self.assertEqual([ds[i]["img"][0].item() for i in range(4)] * 2, [1.0, 2.0, 3.0, 4.0] * 2)
 
     def test_without_fcntl(self):
         with mock.patch.object(SharedCacheStore, "supported", False):

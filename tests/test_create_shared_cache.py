@@ -19,7 +19,6 @@ import tempfile
 import threading
 import time
 import unittest
-import warnings
 from collections import Counter
 from unittest import mock
 
@@ -126,23 +125,6 @@ class TestCreateSharedCache(DistTestCase):
         self.assertEqual(os.listdir(self.root), [])
 
     @needs_store
-    def test_root_and_reserve_reach_the_store(self) -> None:
-        cases = [({"reserve": 0}, None), ({"reserve": 1 << 62}, "reserve")]
-        for kwargs, refused_by in cases:
-            store = create_shared_cache(root=self.root, **kwargs)
-            self.addCleanup(store.close)
-            self.assertEqual(os.listdir(self.root), [os.path.basename(store.path)])
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                self.assertEqual(store.put("k", torch.ones(8)), refused_by is None, kwargs)
-                self.assertEqual(store.get_or_compute("c", lambda: 5), 5)  # computed, stored or not
-            self.assertEqual((store.get("k"), store.get("c")) == (None, None), refused_by is not None, kwargs)
-            messages = [str(w.message) for w in caught]
-            self.assertEqual(len(messages), 0 if refused_by is None else 1, messages)
-            self.assertTrue(all(refused_by in m and "--shm-size" in m for m in messages), messages)
-            store.close()
-
-    @needs_store
     def test_without_a_process_group_a_local_store(self) -> None:
         """Not initialized: a new store of this process in `root`, which its DataLoader workers share."""
         self.assertFalse(dist.is_initialized())
@@ -175,24 +157,6 @@ class TestCreateSharedCache(DistTestCase):
             dist.barrier()
             self.assertEqual(os.path.isdir(store.path), closing == 0, closing)
         self.assertEqual(os.listdir(self.root), [])
-
-    @skip_if_quick
-    @needs_store
-    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
-    def test_one_rank_refreshes_for_the_node(self) -> None:
-        """Rank 0 refreshes between barriers, as the guide says: both ranks then read items computed once more."""
-        rank, store = dist.get_rank(), create_shared_cache(root=self.root, timeout=TIMEOUT)
-        ds = self.dataset(store)
-        for epoch in range(3):
-            dist.barrier()  # every rank has finished the epoch
-            if epoch == 2 and rank == 0:
-                ds.refresh()
-            dist.barrier()  # no rank reads before the items are dropped
-            for i in range(N):
-                self.assertTrue(torch.equal(ds[i]["img"], torch.full((2, 3), i + 1.0)), (epoch, i))
-        dist.barrier()
-        self.assertEqual(computed(self.log), Counter(dict.fromkeys(range(N), 2)))
-        store.close()
 
     @skip_if_quick
     @needs_store
@@ -236,19 +200,6 @@ class TestCreateSharedCache(DistTestCase):
             store.close()
         dist.barrier()
         self.assertEqual(os.listdir(self.root), [])
-
-    @parameterized.expand(
-        [
-            ("alone", {0, 1, 2, 3}, [{0, 1, 2, 3}], 4),
-            ("unbound ranks share the node", {0, 1, 2, 3}, [{0, 1, 2, 3}, {0, 1, 2, 3}], 2),
-            ("ranks bound to their own cores", {0, 1}, [{0, 1}, {2, 3}], 2),
-            ("at most this rank's cores", {0}, [{0}, {1, 2, 3, 4, 5}], 1),
-            ("more ranks than cores", {0, 1}, [{0, 1}] * 4, 1),
-        ]
-    )
-    def test_share_of_cpus(self, _, mine: set, node: list, expected: int) -> None:
-        """A rank's share of its node's CPUs: the CPUs of the node's ranks, divided evenly among them."""
-        self.assertEqual(share_of_cpus(mine, node), expected)
 
     @skip_if_quick
     @needs_store

@@ -38,7 +38,6 @@ ENV_ROOT = "MONAI_CACHE_ROOT"
 PREFIX = "monai-cache-"
 LOCK_FILE, _NEW_LOCK = ".lock", ".lock-new"  # cleaners ignore a store whose creator still holds `.lock-new`
 MARK = ".monai-cache"  # in every directory that a store makes: no other directory is joined or removed
-KEEP = ".persistent"  # see mark_kept
 NETWORK_FS = ("nfs", "nfs4", "lustre", "fuse", "cifs", "smb3", "ceph", "glusterfs", "gpfs", "beegfs", "9p")
 _MOUNTINFO = "/proc/self/mountinfo"
 _WARNED: set[str] = set()
@@ -205,8 +204,6 @@ def join(d: Dir) -> Held:
 
 
 def _remove_if_unheld(d: Dir, patience: float = 0.0) -> bool:
-    if _exists(d, KEEP):  # never locked exclusively: a process that joins it meanwhile is never refused
-        return False
     deadline = time.monotonic() + patience
     while True:
         try:
@@ -228,28 +225,6 @@ def _exists(d: Dir, name: str) -> bool:
         return True
     except FileNotFoundError:
         return False
-
-
-def mark_kept(d: Dir) -> None:
-    """
-    Make ``d``, empty or such a store already, a store that its last user and the cleaners keep. Its files are made
-    before its mark, so that an interrupted call leaves what the next one completes; ``ValueError`` if it holds more.
-    """
-    if _exists(d, MARK) and _exists(d, KEEP):
-        return
-    names = set(d.names())
-    if not names <= {KEEP, LOCK_FILE, ".tmp", MARK} or (MARK in names and KEEP not in names):
-        raise ValueError(
-            f"SharedCacheStore: {d.path!r} holds {sorted(names)[:3]} and no store kept across runs: give the path of "
-            "an empty directory, or of such a store."
-        )
-    for name in (KEEP, LOCK_FILE):
-        os.close(d.open(name, os.O_WRONLY | os.O_CREAT))
-    try:
-        os.mkdir(".tmp", 0o700, dir_fd=d.fd)
-    except FileExistsError:
-        pass
-    os.close(d.open(MARK, os.O_WRONLY | os.O_CREAT))
 
 
 def leave(d: Dir, held: Held) -> bool:
@@ -300,8 +275,6 @@ def cleanup_leftovers(root: str) -> list[str]:
     for path in found:
         try:
             d = Dir(path, mark=True)
-            if _exists(d, KEEP):
-                continue
             if LOCK_FILE in d.names():
                 done = _remove_if_unheld(d)
             elif done := time.time() - d.ident.st_mtime >= _MIN_AGE:

@@ -33,7 +33,6 @@ from monai.data import _cache_locks as locks
 __all__ = ["SharedCacheStore"]
 
 _SAFE_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
-_SUBDIR = re.compile(r"\.[0-9A-Za-z_-]{1,64}")  # never the name of an item, nor a path
 _TMP = ".tmp"
 # errors that do not go away by themselves: the process stops writing
 _PERSISTENT = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", -1)}
@@ -88,10 +87,11 @@ class SharedCacheStore:
     A cache that the processes of one machine share without a server, to pass as the ``runtime_cache`` of
     :py:class:`monai.data.CacheDataset`: each item is a file in a private directory, by default on ``/dev/shm``,
     published by an atomic rename and read as private copy-on-write views of its mapping. DataLoader workers receive
-    the store pickled as its path; other processes of the user join it with ``SharedCacheStore(path)``. The last process that uses the store removes it, and a new
-    store removes those of crashed runs in its root. An item that would leave less than ``reserve`` bytes free on the
-    file system, which the DataLoader's batches need, is computed without being stored. A fault never fails the job:
-    it gives one warning per process, and items computed without the store.
+    the store pickled as its path; other processes of the user join it with ``SharedCacheStore(path)``. The last
+    process that uses the store removes it, and a new store removes those of crashed runs in its root. An item that
+    would leave less than ``reserve`` bytes free on the file system, which the DataLoader's batches need, is computed
+    without being stored. A fault never fails the job: it gives one warning per process, and items computed without
+    the store.
 
     Args:
         path: the directory of an existing store to join; ``None`` to make a new store.
@@ -120,7 +120,6 @@ class SharedCacheStore:
 
     supported = locks.AVAILABLE  # not without fcntl (Windows)
     reserve: int | None
-    durable = False  # for a subclass on a disk: items synced before they are published
 
     def __init__(
         self,
@@ -212,8 +211,6 @@ class SharedCacheStore:
             held = locks.open_temp(tmp, self._tmp)  # locked while written: cleaners remove dead writers' files only
             try:
                 fmt.write_item(held.fd, chunks)
-                if self.durable:
-                    os.fsync(held.fd)
                 os.replace(tmp, self._file(key, ".item"), src_dir_fd=self._tmp.fd, dst_dir_fd=self._dir.fd)
             finally:
                 held.close()
@@ -234,15 +231,6 @@ class SharedCacheStore:
             item = compute()
             self.put(key, item)
         return item
-
-    @classmethod
-    def uncached(cls, path: str, why: OSError) -> SharedCacheStore:
-        """A store that stores nothing, after one warning that ``path`` cannot be made or opened because of ``why``."""
-        store = cls.__new__(cls)
-        store.reserve = None
-        store._setup(path, None)
-        store._warn_once("cannot make or open the store", why, _MORE)
-        return store
 
     def discard(self, keys: Iterable[str]) -> None:
         """Remove the items stored under ``keys``."""
@@ -276,31 +264,6 @@ class SharedCacheStore:
             f"{free / 2**20:.0f} MiB are free of {total / 2**20:.0f} MiB where its items count, and "
             f"{reserve / 2**20:.0f} MiB are kept free for the DataLoader's shared memory (reserve)"
         )
-
-    @property
-    def directory(self) -> locks.Dir:
-        """The store's directory as opened and checked, for a subclass's own files; ``FileNotFoundError`` if gone."""
-        if self._gone:
-            raise FileNotFoundError(errno.ENOENT, "the store is closed or gone", self._path)
-        return self._dir
-
-    def subdir(self, name: str) -> locks.Dir:
-        """The store's own directory ``name`` (a dot, then 1 to 64 of ``[0-9A-Za-z_-]``), made if missing, checked."""
-        if not _SUBDIR.fullmatch(name):
-            raise ValueError(
-                f"a directory of the store is a dot, then 1 to 64 letters, digits, '_' or '-', got {name!r}."
-            )
-        at = self.directory
-        try:
-            os.mkdir(name, 0o700, dir_fd=at.fd)
-        except FileExistsError:
-            pass
-        return locks.Dir(self._path, name, at)
-
-    @staticmethod
-    def mark_kept(path: str | os.PathLike) -> None:
-        """Make ``path``, an empty private directory or such a store, a store that is never removed when unused."""
-        locks.mark_kept(locks.Dir(os.path.abspath(os.fspath(path))))
 
     def close(self) -> None:
         """Stop using the store here; remove it if no other process uses it."""

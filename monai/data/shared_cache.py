@@ -32,16 +32,6 @@ NODE_ID_ENV = "MONAI_CACHE_NODE_ID"
 _OK, _ERROR = "ok", "error"
 
 
-def _node_identity(node_id: str | None) -> str:
-    if node_id is not None:
-        return str(node_id)
-    return os.environ.get(NODE_ID_ENV) or socket.gethostname()
-
-
-def _is_world(group: ProcessGroup | None) -> bool:
-    return group is None or group is dist.GroupMember.WORLD
-
-
 def _object_collectives_on_cpu(group: ProcessGroup | None) -> bool:
     """Whether ``all_gather_object`` over ``group`` runs on the CPU (a ``cpu:`` backend such as gloo)."""
     try:
@@ -54,7 +44,7 @@ def _object_collectives_on_cpu(group: ProcessGroup | None) -> bool:
 def _exchange_group(group: ProcessGroup | None, timeout: float | None) -> tuple[ProcessGroup | None, bool]:
     """The group to exchange over, and whether it was made here (to destroy after use). Collective."""
     span = None if timeout is None else timedelta(seconds=timeout)
-    if _is_world(group):
+    if group is None or group is dist.GroupMember.WORLD:
         if timeout is None and _object_collectives_on_cpu(group):
             return group, False
         if dist.is_gloo_available():
@@ -167,7 +157,7 @@ def create_shared_cache(
         return store_type(root=root, reserve=reserve)
     if dist.get_rank(group) < 0:
         raise ValueError("create_shared_cache: this process is not a member of `group`.")
-    node = _node_identity(node_id)
+    node = str(node_id) if node_id is not None else os.environ.get(NODE_ID_ENV) or socket.gethostname()
     exchange, made_here = _exchange_group(group, timeout)
     store: SharedCacheStore | None = None
     try:

@@ -17,18 +17,24 @@ without a lock file, one named so without the mark, a kept store, and a root on 
 from __future__ import annotations
 
 import os
+import tempfile
 import unittest
 from unittest import mock
 
 from monai.data import _cache_locks as locks
 from monai.data.cache_store import SharedCacheStore
-from tests.test_cache_store_leftovers import LONG, TestLeftovers, _backdate, _made, needs_store
+from tests.test_cache_store import LONG, StoreTestCase, _backdate, needs_store
+
+
+def _made(root: str) -> str:
+    """A store directory as its creator makes it first: private, with the mark file that stores write, no lock file yet."""
+    path = tempfile.mkdtemp(prefix=locks.PREFIX, dir=root)
+    os.close(os.open(os.path.join(path, ".monai-cache"), os.O_WRONLY | os.O_CREAT, 0o600))
+    return path
 
 
 @needs_store
-class TestLeftoversExtended(unittest.TestCase):
-    setUp, new_store, start = TestLeftovers.setUp, TestLeftovers.new_store, TestLeftovers.start
-
+class TestLeftoversExtended(StoreTestCase):
     def test_directory_without_lock_file(self):
         creating = _made(self.root)  # its creator may be making it, or died
         os.mkdir(os.path.join(self.root, "not-a-store"))

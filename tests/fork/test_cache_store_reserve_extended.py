@@ -28,13 +28,18 @@ import numpy as np
 from parameterized import parameterized
 
 from monai.data.cache_store import SharedCacheStore
-from tests.test_cache_store_reserve import TestReserve, _Narrow, needs_store
+from tests.test_cache_store import StoreTestCase, needs_store
+
+
+class _Narrow(SharedCacheStore):
+    """A store whose room is a 64 MiB file system with 40 MiB free: what a subclass (a memory limit) may report."""
+
+    def free_space(self) -> tuple[int, int] | None:
+        return 40 * 2**20, 64 * 2**20
 
 
 @needs_store
-class TestReserveExtended(unittest.TestCase):
-    setUp, new_store, refuse, items = TestReserve.setUp, TestReserve.new_store, TestReserve.refuse, TestReserve.items
-
+class TestReserveExtended(StoreTestCase):
     def test_default_reserve_of_the_room_a_subclass_reports(self):
         with mock.patch.dict(os.environ, {"MONAI_CACHE_RESERVE_BYTES": ""}):
             store = self.new_store(_Narrow)

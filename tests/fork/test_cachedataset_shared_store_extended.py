@@ -11,20 +11,31 @@
 
 """
 The tests of PR 02's wiring that do not fit its exported ``test_cachedataset_shared_store.py``: a subclass's own
-directories, and ``MetaTensor`` items stored out of band.
+directories, ``MetaTensor`` items stored out of band, and a killed run's store removed by the next run.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import unittest
 
 import torch
 
-from monai.data import MetaTensor
+from monai.data import CacheDataset, MetaTensor
 from monai.data import _cache_format as fmt
 from monai.data.cache_store import SharedCacheStore
-from tests.test_cachedataset_shared_store import TestSharedStore, needs_store
+from monai.transforms import Compose
+from tests.test_cachedataset_shared_store import TIMEOUT, AddOne, Load, TestSharedStore, needs_store
+
+
+def _killed_run(root: str, log: str) -> None:
+    """A training run that caches its items, then is killed (as by the OOM killer): nothing of it can clean up."""
+    ds = CacheDataset(list(range(4)), Compose([Load(log), AddOne()]), runtime_cache=SharedCacheStore(root=root))
+    for i in range(4):
+        ds[i]
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class TestSharedStoreExtended(unittest.TestCase):
@@ -67,6 +78,21 @@ class TestSharedStoreExtended(unittest.TestCase):
         self.assertEqual(
             (type(got), got.meta["filename_or_obj"], got.tolist()), (MetaTensor, "a.nii", [[0, 1, 2], [3, 4, 5]])
         )
+
+    @needs_store
+    def test_killed_run_is_cleaned_up(self):
+        proc = multiprocessing.get_context("spawn").Process(target=_killed_run, args=(self.root, self.log))
+        proc.start()
+        self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
+        proc.join(TIMEOUT)
+        self.assertEqual(proc.exitcode, -signal.SIGKILL)
+        (left,) = os.listdir(self.root)
+        self.assertEqual(len([n for n in os.listdir(os.path.join(self.root, left)) if n.endswith(".item")]), 4)
+        store = SharedCacheStore(root=self.root)
+        self.addCleanup(store.close)
+        ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache=store)
+        self.assertEqual(os.listdir(self.root), [os.path.basename(store.path)])  # the dead run's: gone
+        self.assertEqual([ds[i]["img"][0].item() for i in range(4)] * 2, [1.0, 2.0, 3.0, 4.0] * 2)
 
 
 if __name__ == "__main__":

@@ -93,8 +93,9 @@ class TestLayering(unittest.TestCase):
         files = sorted(p for p in (TREE / "monai").rglob("*.py") if p.relative_to(TREE).as_posix() not in wired)
         self.assertGreater(len(files), 100)
         self.assertEqual([b for f in files for b in layer_imports(f)], [])
-        for rel in sorted(wired):
+        for rel in ("monai/data/__init__.py", "monai/data/dataset.py"):
             self.assertTrue(layer_imports(TREE / rel), rel)  # the wiring is there, and the check sees it
+        for rel in sorted(wired):  # fork-0004 adds seams to the core's store: it imports nothing of the layer
             self.assertEqual(module_level_layer_imports(TREE / rel), [])
 
     def test_the_check_sees_an_import_at_module_level(self):

@@ -24,7 +24,7 @@ from parameterized import parameterized
 
 from monai.data import SharedCacheStore
 from monai_sharedcache import budget
-from tests import test_cache_store_reserve as core
+from tests import test_cache_store as core
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 TIMEOUT = 120
@@ -61,9 +61,9 @@ def _killed_writer(path: str) -> None:
 
 @needs_store
 class TestMaxBytes(unittest.TestCase):
-    setUp = core.TestReserve.setUp
-    new_store = functools.partialmethod(core.TestReserve.new_store, SharedCacheStore)  # the layer's store
-    refuse = core.TestReserve.refuse
+    setUp = core.StoreTestCase.setUp
+    new_store = functools.partialmethod(core.StoreTestCase.new_store, SharedCacheStore)  # the layer's store
+    refuse = core.StoreTestCase.refuse
 
     def items(self, store: SharedCacheStore) -> list[str]:
         return [n for n in os.listdir(store.path) if n.endswith(".item")]

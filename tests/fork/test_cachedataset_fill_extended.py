@@ -1,0 +1,63 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""
+The tests of PR 03's ``fill()`` that do not fit its exported ``test_cachedataset_fill.py``: the progress bar,
+``hash_as_key``, and a dataset without a runtime cache.
+"""
+
+from __future__ import annotations
+
+import io
+import unittest
+from collections import Counter
+from contextlib import redirect_stderr
+
+from parameterized import parameterized
+
+from tests.test_cachedataset_fill import N, TestFill, computations
+from tests.test_utils import SkipIfNoModule
+
+
+class TestFillExtended(unittest.TestCase):
+    setUp, runtime_cache, dataset, check_items = (
+        TestFill.setUp,
+        TestFill.runtime_cache,
+        TestFill.dataset,
+        TestFill.check_items,
+    )
+
+    @SkipIfNoModule("tqdm")
+    def test_progress_bar(self) -> None:
+        for progress in (True, False):
+            ds = self.dataset("thread", progress=progress)
+            err = io.StringIO()
+            with redirect_stderr(err):
+                ds.fill()
+            self.assertEqual("Loading dataset" in err.getvalue() and f"{N}/{N}" in err.getvalue(), progress)
+
+    @parameterized.expand([("thread",), ("store",)])
+    def test_hash_as_key_fills_the_unique_inputs(self, mode: str) -> None:
+        data = [3, 1, 3, 0, 1, 2]
+        ds = self.dataset(mode, data, hash_as_key=True)
+        ds.fill()
+        self.assertEqual(computations(self.log), Counter({0: 1, 1: 1, 2: 1, 3: 1}))
+        self.check_items(ds, data)
+        self.assertEqual(computations(self.log), Counter({0: 1, 1: 1, 2: 1, 3: 1}))
+
+    def test_no_runtime_cache_nothing_to_fill(self) -> None:
+        ds = self.dataset("eager", cache_rate=0.5)
+        ds.fill()
+        self.assertEqual(computations(self.log), Counter(range(N // 2)))
+
+
+if __name__ == "__main__":
+    unittest.main()
