@@ -118,13 +118,13 @@ class Dir:
         for name in self.names():
             try:
                 self.unlink(name)
-            except OSError:  # a directory: emptied too, if it is a private one
+            except OSError:  # a directory (EISDIR; EPERM on macOS): emptied too, if it is a private one
                 try:
                     Dir(self.path, name, self).remove()
-                    os.rmdir(name, dir_fd=self.fd)
+                    os.rmdir(name, dir_fd=self.fd)  # through this directory, even if its path has moved
                 except OSError:
                     pass
-        try:
+        try:  # rmdir removes only an empty directory
             if not self.moved():
                 os.rmdir(self.path)
         except OSError:
@@ -217,14 +217,6 @@ def _remove_if_unheld(d: Dir, patience: float = 0.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(_POLL_MAX / 5)
-
-
-def _exists(d: Dir, name: str) -> bool:
-    try:
-        d.stat(name)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def leave(d: Dir, held: Held) -> bool:
