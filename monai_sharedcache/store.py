@@ -427,8 +427,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         The bytes and the number of the store's items, counted in its directory, and the bytes of the writes under way;
         the files of dead writers are removed (their bytes were never written).
         """
-        found = persist.items(self.directory)
-        nbytes = sum(f[2] for f in found)
+        nbytes = 0
         try:
             at = self._writes()
             names = at.names()
@@ -445,7 +444,10 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             else:
                 _unlink(at, name)
                 held.close()
-        return nbytes, len(found)
+        # the items after the writes: a write that ends in between (published, then its file unlinked) is counted
+        # twice, never missed
+        found = persist.items(self.directory)
+        return nbytes + sum(f[2] for f in found), len(found)
 
     def discard(self, keys: Iterable[str]) -> None:
         keys = list(keys)

@@ -101,11 +101,12 @@ class TestClaims(unittest.TestCase):
             self.assertTrue(value == 6 or "claim_timeout=0.2" in mine[0], mine)
         self.assertLess(time.monotonic() - start, TIMEOUT / 2)
         self.assertIsNone(store.get("k"))  # not stored
-        with self.assertRaises(ValueError):
-            SharedCacheStore(store.path, claim_timeout=-1)
+        for bad in (-1, float("nan"), "60", True):
+            with self.assertRaisesRegex(ValueError, "claim_timeout must be a non-negative number of seconds"):
+                SharedCacheStore(store.path, claim_timeout=bad)
 
     def test_killed_claimant_releases_claim_at_once(self):
-        """A process killed while it computes an item delays the others by about one poll, not claim_timeout."""
+        """A process killed while it computes an item delays the others by a poll, not by claim_timeout."""
         store = self.new_store(claim_timeout=TIMEOUT)
         ctx = multiprocessing.get_context()
         receiver, sender = ctx.Pipe(duplex=False)
@@ -113,17 +114,13 @@ class TestClaims(unittest.TestCase):
         proc.start()
         self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
         self.assertTrue(receiver.poll(TIMEOUT) and receiver.recv() == "computing")
-        done, results = [], []
-        waiter = threading.Thread(
-            target=lambda: (results.append(store.get_or_compute("k", lambda: "again")), done.append(time.monotonic()))
-        )
+        results: list = []
+        waiter = threading.Thread(target=lambda: results.append(store.get_or_compute("k", lambda: "again")))
         waiter.start()
         time.sleep(0.5)
-        self.assertEqual(done, [], "the waiter did not wait for the claimant")
-        killed = time.monotonic()
+        self.assertEqual(results, [], "the waiter did not wait for the claimant")
         proc.kill()
-        waiter.join(TIMEOUT)
-        self.assertLess(done[0] - killed, 1.0)
+        waiter.join(TIMEOUT / 2)  # well before claim_timeout: the claim went with its holder
         self.assertEqual((results, store.get("k"), self.claims(store)), (["again"], "again", []))  # computed once
 
     @slow_unless_fork

@@ -60,9 +60,11 @@ class Dir:
         try:
             self.fd: int = os.open(path if at is None else name or "", flags, dir_fd=None if at is None else at.fd)
         except OSError as err:
-            if err.errno != errno.ENOENT:
+            if err.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise _refuse(self.path, "a symbolic link or not a directory") from err
-            raise FileNotFoundError(errno.ENOENT, f"SharedCacheStore: {self.path!r} does not exist") from None
+            if err.errno == errno.ENOENT:
+                raise FileNotFoundError(errno.ENOENT, f"SharedCacheStore: {self.path!r} does not exist") from None
+            raise
         self._finalizer = weakref.finalize(self, os.close, self.fd)  # closed with its last user: never reused early
         st = self.ident = os.fstat(self.fd)
         if st.st_uid != os.getuid():
@@ -115,18 +117,22 @@ class Dir:
 
     def remove(self) -> None:
         """Remove what this directory holds, following no link, then the directory if it is still at its path."""
-        for name in self.names():
+        names = self.names()
+        for name in names:
             try:
-                self.unlink(name)
+                if name != MARK:
+                    self.unlink(name)
             except OSError:  # a directory (EISDIR; EPERM on macOS): emptied too, if it is a private one
                 try:
                     Dir(self.path, name, self).remove()
                     os.rmdir(name, dir_fd=self.fd)  # through this directory, even if its path has moved
                 except OSError:
                     pass
-        try:  # rmdir removes only an empty directory
+        try:  # the mark goes last: what a late writer keeps from removal stays a store's, for the next cleaner
+            if MARK in names and self.names() == [MARK]:
+                self.unlink(MARK)
             if not self.moved():
-                os.rmdir(self.path)
+                os.rmdir(self.path)  # only if empty
         except OSError:
             pass
 
@@ -190,8 +196,12 @@ def create(d: Dir) -> Held:
     """Mark the new store ``d``, make its lock file and hold it: cleaners never see it without a user."""
     os.close(d.open(MARK, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
     held = Held(d.open(_NEW_LOCK, _OPEN | os.O_CREAT | os.O_EXCL))
-    fcntl.flock(held.fd, fcntl.LOCK_SH)
-    os.replace(_NEW_LOCK, LOCK_FILE, src_dir_fd=d.fd, dst_dir_fd=d.fd)
+    try:
+        fcntl.flock(held.fd, fcntl.LOCK_SH)
+        os.replace(_NEW_LOCK, LOCK_FILE, src_dir_fd=d.fd, dst_dir_fd=d.fd)
+    except BaseException:
+        held.close()
+        raise
     return held
 
 
@@ -203,11 +213,11 @@ def join(d: Dir) -> Held:
     return held
 
 
-def _remove_if_unheld(d: Dir, patience: float = 0.0) -> bool:
+def _remove_if_unheld(d: Dir, patience: float = 0.0, lock: str = LOCK_FILE) -> bool:
     deadline = time.monotonic() + patience
     while True:
         try:
-            held = try_hold(LOCK_FILE, at=d)
+            held = try_hold(lock, at=d)
         except OSError:
             return False
         if held is not None:
@@ -267,10 +277,14 @@ def cleanup_leftovers(root: str) -> list[str]:
     for path in found:
         try:
             d = Dir(path, mark=True)
-            if LOCK_FILE in d.names():
+            names = d.names()
+            if LOCK_FILE in names:
                 done = _remove_if_unheld(d)
             elif done := time.time() - d.ident.st_mtime >= _MIN_AGE:
-                d.remove()
+                if _NEW_LOCK not in names:
+                    d.remove()
+                else:  # its creator holds it until the store has its lock file, however long it is stopped
+                    done = _remove_if_unheld(d, lock=_NEW_LOCK)
         except OSError:  # not a store of this user: left alone
             continue
         if done and not os.path.lexists(path):

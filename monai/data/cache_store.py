@@ -58,16 +58,15 @@ def _attach(
         return store
     try:
         d = locks.Dir(path, mark=True)
-    except FileNotFoundError as err:
+        if (d.ident.st_dev, d.ident.st_ino) != ident:
+            raise PermissionError(
+                f"SharedCacheStore: refusing {path!r}, no longer the directory of the store that was pickled (it was "
+                "renamed away and replaced): its items are unpickled when read. Make a new store."
+            )
+        store._setup(path, d)
+    except FileNotFoundError as err:  # removed by its last user, maybe while this process opened it
         store._setup(path, None)
         store._warn_once("the directory is gone", err)
-        return store
-    if (d.ident.st_dev, d.ident.st_ino) != ident:
-        raise PermissionError(
-            f"SharedCacheStore: refusing {path!r}, no longer the directory of the store that was pickled (it was "
-            "renamed away and replaced): its items are unpickled when read. Make a new store."
-        )
-    store._setup(path, d)
     return store
 
 
@@ -211,6 +210,12 @@ class SharedCacheStore:
             held = locks.open_temp(tmp, self._tmp)  # locked while written: cleaners remove dead writers' files only
             try:
                 fmt.write_item(held.fd, chunks)
+                # again once written, as others may have written meanwhile; the reserve alone, which counts nothing
+                why = SharedCacheStore.room_for(self, 0)
+                if why is not None:
+                    self._warn_once("not storing items past the budget", why, _MORE)
+                    locks.unlink_quiet(tmp, self._tmp)
+                    return False
                 os.replace(tmp, self._file(key, ".item"), src_dir_fd=self._tmp.fd, dst_dir_fd=self._dir.fd)
             finally:
                 held.close()

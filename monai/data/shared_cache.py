@@ -15,6 +15,7 @@ from __future__ import annotations
 import numbers
 import os
 import socket
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -82,11 +83,7 @@ def _all_gather(obj: Any, group: ProcessGroup | None) -> list[Any]:
 
 
 def _failures(nodes: list[str], outcomes: list[Any]) -> list[str]:
-    return [
-        f"rank {r} (node {nodes[r]!r}): {o[1]}"
-        for r, o in enumerate(outcomes)
-        if isinstance(o, tuple) and len(o) == 2 and o[0] == _ERROR
-    ]
+    return [f"rank {r} (node {nodes[r]!r}): {o[1]}" for r, o in enumerate(outcomes) if o and o[0] == _ERROR]
 
 
 def create_shared_cache(
@@ -104,8 +101,9 @@ def create_shared_cache(
     workers share it, so every item is computed once per node and held once in its memory.
 
     The ranks exchange their node identities and CPUs (small objects over ``all_gather_object``; no data); the lowest
-    rank of each node creates the node's store, the others join it by its path, and a last exchange makes sure that
-    every rank uses the store before any returns. The store is removed when the last rank of the node closes it or
+    rank of each node creates the node's store, the others join it by its path (a rank that cannot, where its creator
+    had no room, say, makes one of its own after a warning), and a last exchange makes sure that every rank uses its
+    store before any returns. The store is removed when the last rank of the node closes it or
     exits. Without an initialized process group, this is a new store of this process. With ``group=None`` and a
     GPU-only backend (nccl), or with a ``timeout``, the exchange runs over a short-lived gloo group.
 
@@ -121,7 +119,8 @@ def create_shared_cache(
         node_id: this process's node: ranks with the same identity share a store, so they must run on one machine.
             By default ``$MONAI_CACHE_NODE_ID``, else the host name.
         timeout: bound, in seconds, on every wait of the exchange (for a rank that never calls, say); ``None`` for
-            the group's own. With a subgroup, which must then be a gloo group, a ``monitored_barrier`` waits for it.
+            the group's own. With a subgroup, which must then be a gloo group, a ``monitored_barrier`` waits that
+            long for the ranks to arrive; the exchange after it waits as long as the subgroup's own timeout.
         reserve: bytes that each store keeps free for the DataLoader's shared memory; see ``SharedCacheStore``.
         store_type: what makes the stores, called as ``store_type(root=root, reserve=reserve)`` on the lowest rank of
             each node and ``store_type(path, reserve=reserve)`` on the others.
@@ -134,7 +133,7 @@ def create_shared_cache(
         NotImplementedError: without ``fcntl`` (Windows), on every rank before any collective call.
         ValueError: a bad ``timeout`` or ``reserve``, this process is not in ``group``, or ``timeout`` with a subgroup
             that is not a gloo group.
-        RuntimeError: on every rank, if a store could not be made or joined on any rank; the message names them.
+        RuntimeError: on every rank, if a store could not be made on any rank; the message names them.
 
     Example:
         .. code-block:: python
@@ -184,15 +183,21 @@ def create_shared_cache(
             raise RuntimeError("create_shared_cache failed on every rank: " + "; ".join(failed))
         attached: tuple[str, str] = (_OK, "")
         if me != creator:
+            path = outcomes[creator][1]
             try:
-                store = store_type(outcomes[creator][1], reserve=reserve)
-            except Exception as err:
-                attached = (
-                    _ERROR,
-                    f"cannot attach to {outcomes[creator][1]!r} made by rank {creator}: {type(err).__name__}: {err} "
-                    f"(ranks with one node identity must run on one machine and see the same "
-                    f"{os.path.dirname(outcomes[creator][1])}; set node_id or ${NODE_ID_ENV} to tell machines apart)",
+                store = store_type(path, reserve=reserve)
+            except Exception as err:  # no store there (its creator had no room), or another machine: one of its own
+                warnings.warn(
+                    f"create_shared_cache: cannot join {path!r}, the store of rank {creator} ({type(err).__name__}: "
+                    f"{err}); this rank uses a store of its own. Ranks with one node identity must run on one machine "
+                    f"and see the same {os.path.dirname(path)}: set node_id or ${NODE_ID_ENV} to tell machines apart.",
+                    RuntimeWarning,
+                    stacklevel=2,
                 )
+                try:
+                    store = store_type(root=root, reserve=reserve)
+                except Exception as err:
+                    attached = (_ERROR, f"cannot create a store in {root or 'the default root'}: {err!r}")
         # 3. every rank has registered as a participant before any rank returns (and may close)
         failed = _failures(nodes, _all_gather(attached, exchange))
         if failed:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import unittest
 import warnings
 from unittest import mock
@@ -28,6 +29,23 @@ from tests.test_cache_store_claims import TestClaims, needs_store
 @needs_store
 class TestClaimsExtended(unittest.TestCase):
     setUp, new_store, claims = TestClaims.setUp, TestClaims.new_store, TestClaims.claims
+
+    def test_no_room_no_claims(self):
+        """Past the reserve, an item is not stored: every thread that misses it computes it at once, none waits."""
+        store = self.new_store(reserve=2**62)
+        started, go = threading.Barrier(2, timeout=30), []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            threads = [
+                threading.Thread(target=lambda: go.append(store.get_or_compute("k", started.wait))) for _ in "ab"
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        self.assertEqual(sorted(go), [0, 1])  # both computed it, at once (a waiter would break the barrier)
+        self.assertEqual(len([w for w in caught if "past the budget" in str(w.message)]), 1)
+        self.assertIsNone(store.get("k"))
 
     def test_hit_does_not_compute(self):
         store = self.new_store()

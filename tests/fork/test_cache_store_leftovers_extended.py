@@ -16,6 +16,7 @@ without a lock file, one named so without the mark, a kept store, and a root on 
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import unittest
@@ -47,6 +48,39 @@ class TestLeftoversExtended(StoreTestCase):
         _backdate(creating, 60)  # a minute is old enough with the real minimum age
         self.assertEqual(locks.cleanup_leftovers(self.root), [creating])
         self.assertEqual(os.listdir(self.root), ["not-a-store"])  # only stores are removed
+
+    def test_a_store_whose_creator_is_stopped(self):
+        """A store whose creator holds ``.lock-new`` (stopped before it renamed it, a frozen container) is kept."""
+        import fcntl
+
+        creating = _made(self.root)
+        fd = os.open(os.path.join(creating, ".lock-new"), os.O_RDWR | os.O_CREAT, 0o600)
+        self.addCleanup(os.close, fd)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _backdate(creating, 60)
+        self.assertEqual(locks.cleanup_leftovers(self.root), [])
+        fcntl.flock(fd, fcntl.LOCK_UN)  # it died
+        self.assertEqual(locks.cleanup_leftovers(self.root), [creating])
+
+    def test_a_shortage_of_descriptors_is_no_refusal(self):
+        """Only a link or a file where a directory is expected is refused as a security matter; else the error."""
+        store = self.new_store()
+        with mock.patch("os.open", side_effect=OSError(errno.EMFILE, "Too many open files")):
+            with self.assertRaises(OSError) as caught:
+                locks.Dir(store.path, mark=True)
+        self.assertEqual(caught.exception.errno, errno.EMFILE)
+
+    def test_what_cannot_be_removed_stays_marked(self):
+        """A store that its last user cannot empty (here: a directory open to others in it) keeps its mark for the
+        next cleaner, which removes it once it can."""
+        store = SharedCacheStore(root=self.root)
+        os.mkdir(os.path.join(store.path, "shared"), 0o755)
+        os.chmod(os.path.join(store.path, "shared"), 0o755)
+        store.close()
+        self.assertEqual(sorted(os.listdir(store.path)), [".monai-cache", "shared"])
+        os.rmdir(os.path.join(store.path, "shared"))
+        _backdate(store.path, 60)
+        self.assertEqual(locks.cleanup_leftovers(self.root), [store.path])
 
     def test_directory_named_so_without_the_mark_kept(self):
         mine = os.path.join(self.root, locks.PREFIX + "mine")  # named like a store, made by the user

@@ -38,8 +38,23 @@ class _Narrow(SharedCacheStore):
         return 40 * 2**20, 64 * 2**20
 
 
+class _FilledMeanwhile(SharedCacheStore):
+    """A store whose file system others fill while it writes: 40 MiB free before the write, 20 MiB after it."""
+
+    def free_space(self) -> tuple[int, int] | None:
+        found = os.listdir(os.path.join(self.path, ".tmp"))
+        return (20 if found else 40) * 2**20, 64 * 2**20
+
+
 @needs_store
 class TestReserveExtended(StoreTestCase):
+    def test_reserve_checked_again_once_written(self):
+        """Writers that pass the check at once do not eat the reserve together: the last to find it gone refuses."""
+        store = self.new_store(_FilledMeanwhile, reserve=32 * 2**20)
+        self.assertIn("32 MiB are kept free", self.refuse(store, np.ones(2**20 // 8)))
+        self.assertEqual((self.files(store), self.files(store, ".tmp")), ([], []))
+        self.assertIsNone(store.get("k"))
+
     def test_default_reserve_of_the_room_a_subclass_reports(self):
         with mock.patch.dict(os.environ, {"MONAI_CACHE_RESERVE_BYTES": ""}):
             store = self.new_store(_Narrow)

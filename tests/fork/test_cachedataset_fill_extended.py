@@ -17,14 +17,26 @@ The tests of PR 03's ``fill()`` that do not fit its exported ``test_cachedataset
 from __future__ import annotations
 
 import io
+import os
 import unittest
 from collections import Counter
 from contextlib import redirect_stderr
 
 from parameterized import parameterized
 
-from tests.test_cachedataset_fill import N, TestFill, computations
+from monai.data import CacheDataset
+from monai.data.cache_store import SharedCacheStore
+from monai.transforms import Compose
+from tests.test_cachedataset_fill import AddOne, Load, N, TestFill, computations
 from tests.test_utils import SkipIfNoModule
+
+
+class _TwoItems(SharedCacheStore):
+    """A store with room for two items."""
+
+    def room_for(self, nbytes: int) -> str | None:
+        full = len([n for n in os.listdir(self.path) if n.endswith(".item")]) >= 2
+        return "room for two items" if full else super().room_for(nbytes)
 
 
 class TestFillExtended(unittest.TestCase):
@@ -52,6 +64,25 @@ class TestFillExtended(unittest.TestCase):
         self.assertEqual(computations(self.log), Counter({0: 1, 1: 1, 2: 1, 3: 1}))
         self.check_items(ds, data)
         self.assertEqual(computations(self.log), Counter({0: 1, 1: 1, 2: 1, 3: 1}))
+
+    def test_past_the_reserve_nothing_to_fill(self) -> None:
+        """A store with no room left computes nothing in ``fill``: its items would not be stored."""
+        store = self.runtime_cache("store", reserve=2**62)
+        ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        with self.assertWarnsRegex(RuntimeWarning, "past the budget"):
+            ds.fill()
+        self.assertEqual(computations(self.log), Counter())
+        self.check_items(ds)  # computed now, as a cache without room does
+
+    def test_nothing_to_fill_once_the_store_is_full(self) -> None:
+        """Once the store has no room left, ``fill`` computes no more items, which would not be stored."""
+        store = _TwoItems(root=self.tmp)
+        self.addCleanup(store.close)
+        ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        with self.assertWarnsRegex(RuntimeWarning, "past the budget"):
+            ds.fill(num_threads=1)  # with more, the items under way when the store fills up are computed too
+        self.assertEqual(sum(computations(self.log).values()), 2)
+        self.check_items(ds)
 
     def test_no_runtime_cache_nothing_to_fill(self) -> None:
         ds = self.dataset("eager", cache_rate=0.5)

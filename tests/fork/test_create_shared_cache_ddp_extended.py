@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from parameterized import parameterized
 
-from monai.data import create_shared_cache
+from monai.data import create_shared_cache, shared_cache
+from monai.data.cache_store import SharedCacheStore
 from monai.data.shared_cache import share_of_cpus
 from tests.test_create_shared_cache import TIMEOUT, N, TestCreateSharedCache, computed, needs_store
 from tests.test_utils import DistCall, DistTestCase, skip_if_quick
@@ -50,6 +51,26 @@ class TestCreateSharedCacheExtended(DistTestCase):
             self.assertEqual(len(messages), 0 if refused_by is None else 1, messages)
             self.assertTrue(all(refused_by in m and "--shm-size" in m for m in messages), messages)
             store.close()
+
+    @skip_if_quick
+    @needs_store
+    @DistCall(nnodes=1, nproc_per_node=2, timeout=TIMEOUT)
+    def test_no_store_to_join_a_store_of_its_own(self) -> None:
+        """Where the node's creator has no store to share (made without room), the other rank warns and makes one."""
+
+        def without_room_on_the_creator(path=None, **kwargs) -> SharedCacheStore:
+            store = SharedCacheStore(path, **kwargs)
+            if dist.get_rank() == 0:
+                store.close()  # no directory to join, as when none could be made
+            return store
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            store = shared_cache.create_shared_cache(root=self.root, store_type=without_room_on_the_creator)
+        self.addCleanup(store.close)
+        joined = [str(w.message) for w in caught if "cannot join" in str(w.message)]
+        self.assertEqual(len(joined), dist.get_rank(), joined)
+        self.assertTrue(dist.get_rank() == 0 or store.put("k", 1), "rank 1's own store stores")
 
     @skip_if_quick
     @needs_store

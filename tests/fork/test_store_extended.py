@@ -509,11 +509,13 @@ class TestLifetime(StoreCase):
             f.write("y")
         store.close()
         self.assertEqual(os.listdir(outside), ["keep"])
-        self.assertEqual(sorted(os.listdir(store.path)), [".open"])  # the store's directory stays for what is left
+        # the store's directory stays for what is left, with its mark: the next cleaner knows it as a store's
+        self.assertEqual(sorted(os.listdir(store.path)), [".monai-cache", ".open"])
         self.assertEqual(os.listdir(open_dir), ["theirs"])
         os.chmod(open_dir, 0o700)
         os.remove(os.path.join(open_dir, "theirs"))
         os.rmdir(open_dir)
+        os.remove(os.path.join(store.path, ".monai-cache"))
         os.rmdir(store.path)
 
     @skip_unless_fork
