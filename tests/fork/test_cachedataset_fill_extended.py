@@ -27,7 +27,7 @@ from parameterized import parameterized
 from monai.data import CacheDataset
 from monai.data.cache_store import SharedCacheStore
 from monai.transforms import Compose
-from tests.test_cachedataset_fill import AddOne, Load, N, TestFill, computations
+from tests.test_cachedataset_fill import AddOne, Load, N, TestFill, computations, needs_store
 from tests.test_utils import SkipIfNoModule
 
 
@@ -74,6 +74,7 @@ class TestFillExtended(unittest.TestCase):
         self.assertEqual(computations(self.log), Counter())
         self.check_items(ds)  # computed now, as a cache without room does
 
+    @needs_store
     def test_nothing_to_fill_once_the_store_is_full(self) -> None:
         """Once the store has no room left, ``fill`` computes no more items, which would not be stored."""
         store = _TwoItems(root=self.tmp)
