@@ -103,9 +103,9 @@ def create_shared_cache(
     The ranks exchange their node identities and CPUs (small objects over ``all_gather_object``; no data); the lowest
     rank of each node creates the node's store, the others join it by its path (a rank that cannot, where its creator
     had no room, say, makes one of its own after a warning), and a last exchange makes sure that every rank uses its
-    store before any returns. The store is removed when the last rank of the node closes it or
-    exits. Without an initialized process group, this is a new store of this process. With ``group=None`` and a
-    GPU-only backend (nccl), or with a ``timeout``, the exchange runs over a short-lived gloo group.
+    store before any returns. The store is removed when the last rank of the node closes it or exits. Without an
+    initialized process group, this is a new store of this process. With ``group=None`` and a GPU-only backend
+    (nccl), or with a ``timeout``, the exchange runs over a short-lived gloo group.
 
     Warning:
         **This is a collective call**: every rank of ``group`` calls it once, in the same order relative to the
