@@ -138,7 +138,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
                     "persistent=True needs path, the directory to keep the store in (made if missing), and no root; "
                     f"got path={path!r}, root={root!r}."
                 )
-            path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+            path = os.path.abspath(os.path.expanduser(os.fsdecode(path)))
         elif path is not None and max_bytes is not None:
             raise ValueError(
                 f"max_bytes is recorded by a new store for all its users: give it without path, got {path!r}."

@@ -90,6 +90,19 @@ class TestProcessStore(unittest.TestCase):
             self.assertNotIn(old, os.listdir(self.root))
         self.assertEqual(self.computed(), [0, 0, 1, 1, 2, 2, 3, 3])  # once for each store
 
+    @needs_store
+    def test_a_root_that_cannot_hold_a_store(self):
+        """A wrong MONAI_CACHE_ROOT is one warning that names it, and the items are computed without the cache."""
+        with open(os.path.join(self.tmp, "afile"), "w"):
+            pass
+        for root in (os.path.join(self.tmp, "missing"), os.path.join(self.tmp, "afile")):
+            with mock.patch.dict(os.environ, {"MONAI_CACHE_ROOT": root}):
+                with self.assertWarnsRegex(RuntimeWarning, f"MONAI_CACHE_ROOT='{root}'.*an existing directory"):
+                    ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache="process")
+                self.assertEqual([ds[i]["img"][0].item() for _ in range(2) for i in range(4)], [1.0, 2.0, 3.0, 4.0] * 2)
+        self.assertEqual(self.computed(), [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3])  # twice each, uncached
+        self.assertEqual(sorted(os.listdir(self.tmp)), ["afile", "log", "shm"])
+
     def test_without_fcntl_a_manager_list(self):
         with mock.patch.object(SharedCacheStore, "supported", False):
             ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache="process")

@@ -60,6 +60,10 @@ class Dir:
         try:
             self.fd: int = os.open(path if at is None else name or "", flags, dir_fd=None if at is None else at.fd)
         except OSError as err:
+            if err.errno == errno.ENOTDIR and os.path.isfile(self.path) and not os.path.islink(self.path):
+                raise NotADirectoryError(
+                    errno.ENOTDIR, f"SharedCacheStore: {self.path!r} is a file, not a store"
+                ) from None
             if err.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise _refuse(self.path, "a symbolic link or not a directory") from err
             if err.errno == errno.ENOENT:
@@ -319,10 +323,8 @@ def clean_dead_temps(tmp: Dir) -> None:
 def default_root() -> str:
     """``$MONAI_CACHE_ROOT`` if set, else ``/dev/shm`` if writable, else the system's temporary directory."""
     configured = os.environ.get(ENV_ROOT)
-    if configured:
-        if not os.path.isdir(configured):
-            raise FileNotFoundError(errno.ENOENT, f"{ENV_ROOT}={configured!r} must name an existing directory")
-        return configured
+    if configured:  # checked by making a store there
+        return os.path.expanduser(configured)
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
         return "/dev/shm"
     return tempfile.gettempdir()
@@ -331,5 +333,6 @@ def default_root() -> str:
 def _refuse(path: str, problem: str) -> PermissionError:
     return PermissionError(
         f"SharedCacheStore: refusing {path!r}, {problem}: its items are unpickled when read, and unpickling data "
-        "written by someone else can run arbitrary code. Give the path of a store that this user made."
+        "written by someone else can run arbitrary code. Only a private directory that a store of this user made is "
+        "used."
     )

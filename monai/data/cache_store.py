@@ -19,7 +19,6 @@ import os
 import re
 import secrets
 import tempfile
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -37,9 +36,9 @@ _TMP = ".tmp"
 # errors that do not go away by themselves: the process stops writing
 _PERSISTENT = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", -1)}
 _NO_ROOM = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", -1)}
-_WARN_LOCK = threading.Lock()
 _UNCACHED = "Items are computed without the cache from now on in this process."
 ENV_RESERVE = "MONAI_CACHE_RESERVE_BYTES"
+_ROOT = "A root must be an existing directory where this user can make directories."
 _MORE = (
     "Such items are computed without being stored. To cache more: give the container more shared memory (docker run "
     f"--shm-size=..., or --ipc=host), put the cache on a local disk or another tmpfs ({locks.ENV_ROOT}=/path, or "
@@ -101,8 +100,10 @@ class SharedCacheStore:
 
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows).
-        FileNotFoundError: ``path`` does not exist, or ``MONAI_CACHE_ROOT`` names no directory.
+        FileNotFoundError: ``path`` does not exist.
+        NotADirectoryError: ``path`` is a file.
         PermissionError: ``path`` is not a private directory of this user that a store made.
+        OSError: ``root`` cannot hold a store (with ``MONAI_CACHE_ROOT`` instead: a warning, and no cache).
         ValueError: both ``path`` and ``root`` are given, or a bad ``reserve``.
 
     Example:
@@ -136,7 +137,7 @@ class SharedCacheStore:
         if path is not None:
             if root is not None:
                 raise ValueError("root is where a new store is made: give path or root, not both.")
-            path = os.path.abspath(os.fspath(path))
+            path = os.path.abspath(os.path.expanduser(os.fsdecode(path)))
             self._setup(path, locks.Dir(path, mark=True))
             try:
                 self._hold(locks.join(self._dir))
@@ -144,7 +145,9 @@ class SharedCacheStore:
                 self._gone = True
                 self._warn_once("the directory is gone", err)
             return
-        root = locks.default_root() if root is None else os.fspath(root)
+        given = root is not None
+        root = os.path.expanduser(os.fsdecode(root)) if given else locks.default_root()
+        where = f"root={root!r}" if given else f"{locks.ENV_ROOT}={root!r}" if os.environ.get(locks.ENV_ROOT) else root
         locks.cleanup_leftovers(root)
         new, held = cast(locks.Dir, None), cast(locks.Held, None)
         try:
@@ -156,10 +159,15 @@ class SharedCacheStore:
                 held.close()
             if new is not None:
                 new.remove()
-            if not isinstance(err, OSError) or err.errno not in _NO_ROOM:
+            if not isinstance(err, OSError):
                 raise
+            if err.errno is None:  # refused: the new directory was replaced, in a root that others can write
+                raise PermissionError(f"{err} It was made in {where}: use a directory of your own.") from None
+            if given and err.errno not in _NO_ROOM:
+                raise type(err)(err.errno, f"SharedCacheStore: {where} cannot hold a store ({err}). {_ROOT}") from err
             self._setup(root if new is None else new.path, None)
-            self._warn_once("cannot make a store", err, _MORE)
+            then = _MORE if err.errno in _NO_ROOM else f"{_ROOT} {_UNCACHED}"
+            self._warn_once(f"cannot make a store in {where}", err, then)
             return
         self._setup(new.path, new)
         self._hold(held)
@@ -170,7 +178,7 @@ class SharedCacheStore:
         self._path, self._tmp = path, cast(locks.Dir, None if d is None else locks.Dir(path, _TMP, d))
         self._ident = (0, 0) if d is None else (d.ident.st_dev, d.ident.st_ino)
         self._gone, self._writable = d is None, True
-        self._warned: set[tuple[int, str]] = set()
+        self._warned: dict[tuple[int, str], object] = {}
         self._finalizer: weakref.finalize | None = None
 
     def _hold(self, held: locks.Held) -> None:
@@ -319,9 +327,8 @@ class SharedCacheStore:
         self._warn_once(what, err)
 
     def _warn_once(self, what: str, why: object, then: str = _UNCACHED) -> None:
-        with _WARN_LOCK:
-            if (os.getpid(), what) in self._warned:
-                return
-            self._warned.add((os.getpid(), what))
+        token = object()  # setdefault is atomic: no lock, which a fork could leave held in the child
+        if self._warned.setdefault((os.getpid(), what), token) is not token:
+            return
         why = f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else why
         warnings.warn(f"SharedCacheStore {self._path}: {what} ({why}). {then}", RuntimeWarning, stacklevel=3)

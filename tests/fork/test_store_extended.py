@@ -328,6 +328,96 @@ class TestRoundTrip(StoreCase):
 
 
 @skip_unless_store
+class TestSettings(StoreCase):
+    """A root, a path or an environment that cannot serve: a clear error that names it, or one warning and no cache."""
+
+    def unusable(self) -> list[tuple[str, type]]:
+        with open(os.path.join(self.root, "afile"), "w"):
+            pass
+        missing, afile = os.path.join(self.root, "missing"), os.path.join(self.root, "afile")
+        return [(missing, FileNotFoundError), (afile, NotADirectoryError), ("/proc", FileNotFoundError)]
+
+    def test_root_that_cannot_hold_a_store(self) -> None:
+        for root, error in self.unusable():
+            with self.assertRaisesRegex(error, f"root='{root}' cannot hold a store.*must be an existing directory"):
+                SharedCacheStore(root=root)
+            with mock.patch.dict(os.environ, {"MONAI_CACHE_ROOT": root}), warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                store = SharedCacheStore()
+                self.assertEqual(
+                    (store.get_or_compute("k", lambda: 3), store.put("k", 1), store.get("k")), (3, False, None)
+                )
+            self.assertEqual(len(w), 1)  # one warning, naming the setting and what it must be
+            self.assertRegex(str(w[0].message), f"MONAI_CACHE_ROOT='{root}'.*must be an existing directory")
+        self.assertEqual(os.listdir(self.root), ["afile"])
+
+    def test_path_that_is_a_file(self) -> None:
+        afile = self.unusable()[1][0]
+        with self.assertRaisesRegex(NotADirectoryError, f"'{afile}' is a file, not a store"):
+            SharedCacheStore(afile)
+
+    def test_home_and_bytes(self) -> None:
+        with mock.patch.dict(os.environ, {"HOME": self.root}):
+            store = SharedCacheStore(root="~")
+            self.addCleanup(store.close)
+            self.assertEqual(os.path.dirname(store.path), self.root)
+            joined = SharedCacheStore(os.path.join("~", os.path.basename(store.path)))
+            self.addCleanup(joined.close)
+            self.assertEqual(joined.path, store.path)
+            with mock.patch.dict(os.environ, {"MONAI_CACHE_ROOT": "~"}):
+                self.assertEqual(os.path.dirname(self.new_store().path), self.root)
+        self.assertEqual(self.new_store(os.fsencode(store.path)).path, store.path)
+        self.assertEqual(os.path.dirname(SharedCacheStore(root=os.fsencode(self.root)).path), self.root)
+        self.assertFalse(os.path.exists(os.path.join(os.getcwd(), "~")))
+
+    def test_new_directory_replaced(self) -> None:
+        """Made in a root that others can write, and replaced before it was checked: the message says so."""
+        shared = os.path.join(self.root, "shared")
+        os.mkdir(shared)
+        os.chmod(shared, 0o777)
+        with mock.patch.object(tempfile, "mkdtemp", return_value=shared):
+            with self.assertRaisesRegex(PermissionError, f"of mode 0o777.*made in root='{self.root}': use a directory"):
+                SharedCacheStore(root=self.root)
+        self.assertTrue(os.path.isdir(shared))
+
+    @skip_unless_fork
+    def test_warning_after_a_fork(self) -> None:
+        """A thread in the middle of a warning when another forks: the child still warns (no lock left held)."""
+        store, inside, release = self.new_store(), threading.Event(), threading.Event()
+        parent = os.getpid()
+
+        class Blocking(dict):
+            def _block(self) -> None:
+                if os.getpid() == parent and threading.current_thread() is not threading.main_thread():
+                    inside.set()
+                    release.wait(TIMEOUT)
+
+            def setdefault(self, *args: Any) -> Any:
+                self._block()
+                return super().setdefault(*args)
+
+            def __contains__(self, key: Any) -> bool:
+                self._block()
+                return super().__contains__(key)
+
+        store._warned = Blocking()
+        thread = threading.Thread(target=store.put, args=("k", threading.Lock()))  # unpicklable: it warns
+        thread.start()
+        try:
+            self.assertTrue(inside.wait(TIMEOUT))
+            self.assertEqual(run_forked(_warn_quietly, store, timeout=30), 0)  # would wait for the thread's lock
+        finally:
+            release.set()
+            thread.join(TIMEOUT)
+
+
+def _warn_quietly(store: SharedCacheStore) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        store.put("k2", threading.Lock())
+
+
+@skip_unless_store
 class TestZeroCopy(StoreCase):
     def test_small_items_are_private(self) -> None:
         store = self.new_store()
