@@ -51,10 +51,21 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() and int(text) < 2**60 else None  # not "max", nor v1's "unlimited" (~2**63)
 
 
+def _reclaimable(where: str, name: str) -> int:
+    """The page cache of files that the kernel reclaims first (``name`` of ``memory.stat``), as kubelet subtracts."""
+    try:
+        with open(os.path.join(where, "memory.stat")) as f:
+            found = [line.split()[1] for line in f if line.startswith(name + " ") and len(line.split()) == 2]
+    except OSError:
+        return 0
+    return int(found[0]) if found and found[0].isdigit() else 0
+
+
 def cgroup_room() -> tuple[int, int] | None:
     """
     The memory limit of this process's cgroup, or of the ancestor that leaves least, and what it leaves, in bytes;
-    ``None`` without a limit, or off Linux.
+    ``None`` without a limit, or off Linux. What it leaves counts as free the inactive page cache of files (input
+    files read, say), which the kernel reclaims before it would fail the job; tmpfs items are not of that kind.
     """
     try:
         with open(PROC_CGROUP) as f:
@@ -64,15 +75,18 @@ def cgroup_room() -> tuple[int, int] | None:
     best: tuple[int, int] | None = None
     for hierarchy, controllers, path in entries:
         if hierarchy == "0" and not controllers:  # v2
-            base, names = CGROUP_FS, ("memory.max", "memory.current")
+            base, names = CGROUP_FS, ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):  # v1
-            base, names = os.path.join(CGROUP_FS, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            base = os.path.join(CGROUP_FS, "memory")
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
         else:
             continue
         parts = [p for p in path.split("/") if p]
         for depth in range(len(parts), -1, -1):  # the cgroup, then each ancestor
             where = os.path.join(base, *parts[:depth])
             limit, used = _read_int(os.path.join(where, names[0])), _read_int(os.path.join(where, names[1]))
-            if limit is not None and used is not None and (best is None or limit - used < best[1]):
-                best = limit, max(0, limit - used)
+            if limit is not None and used is not None:
+                used = max(0, used - _reclaimable(where, names[2]))
+                if best is None or limit - used < best[1]:
+                    best = limit, max(0, limit - used)
     return best

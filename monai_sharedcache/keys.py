@@ -96,7 +96,6 @@ _PLAIN = (str, bytes, int, float, bool, type(None), tuple, list, dict, complex)
 _CLASS_NOISE = {"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__slotnames__", "_abc_impl"}
 _CLASS_NOISE |= {"__firstlineno__", "__static_attributes__"}
 _digests: dict[str, tuple[tuple[int, ...], bytes]] = {}  # path -> (stat data, content digest), of this process
-_digests_lock = threading.Lock()
 
 
 class Fingerprint(NamedTuple):
@@ -384,11 +383,9 @@ def file_digest(path: str, st: os.stat_result, earlier: Callable[[], Any] | None
         where it was not, or where it was modified less than ``RACY_SECONDS`` before, so may change again unseen).
     """
     data = _stat_data(st)
-    with _digests_lock:
-        known = _digests.get(path)
+    known = _digests.get(path)  # dict operations are atomic: no lock, which a fork could leave held in the child
     if known is None and earlier is not None and (known := _record(earlier())) is not None and known[0] == data:
-        with _digests_lock:
-            _digests[path] = known
+        _digests[path] = known
     if known is not None and known[0] == data:
         return known[1], None
     started = time.time_ns()
@@ -401,8 +398,7 @@ def file_digest(path: str, st: os.stat_result, earlier: Callable[[], Any] | None
         return b"changed while read " + uuid.uuid4().bytes, None
     if started - st.st_mtime_ns <= RACY_SECONDS * 1e9:
         return digest.digest(), None
-    with _digests_lock:
-        _digests[path] = (data, digest.digest())
+    _digests[path] = (data, digest.digest())
     return digest.digest(), [*data, digest.hexdigest()]
 
 

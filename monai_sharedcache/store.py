@@ -562,7 +562,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
                 read = _read(at, name)
                 if read is not None:
                     found[name] = json.loads(read[0])
-            except (OSError, ValueError):  # gone, or being written: no note
+            except (OSError, ValueError, RecursionError):  # gone, being written, or damaged: no note
                 pass
         return found
 
@@ -608,7 +608,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         try:
             read = _read(self.subdir(_KEPT), name)
             return None if read is None else json.loads(read[0])
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # a damaged record is none
             return None
 
 

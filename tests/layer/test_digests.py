@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 
 import numpy as np
 
 from monai.data import SharedCacheStore
+from monai_sharedcache import keys
 from monai_sharedcache.keys import file_digest
 
 TIMEOUT = 120
@@ -52,6 +55,35 @@ def _save(path: str, value: float, age: float) -> None:
     """Write an input file, modified ``age`` seconds ago (a file modified just now is hashed again by any run)."""
     np.save(path, np.full(4, value))
     os.utime(path, (time.time() - age,) * 2)
+
+
+def _digest_in_child(path: str) -> None:
+    os._exit(0 if len(file_digest(path, os.stat(path))[0]) == 32 else 1)
+
+
+@unittest.skipUnless(hasattr(os, "fork"), "needs fork")
+class TestDigestsAfterFork(unittest.TestCase):
+    def test_a_fork_while_another_thread_holds_a_lock(self):
+        """Forked while another thread holds any lock of the module: the child still takes digests (none is held)."""
+        with tempfile.NamedTemporaryFile() as f:
+            f.write(b"data")
+            f.flush()
+            locks = [v for v in vars(keys).values() if isinstance(v, type(threading.Lock()))]
+            for lock in locks:
+                lock.acquire()
+            try:
+                ctx = multiprocessing.get_context("fork")
+                child = ctx.Process(target=_digest_in_child, args=(f.name,))
+                child.start()
+                child.join(30)
+                if child.is_alive():
+                    child.kill()
+                    child.join(TIMEOUT)
+                    self.fail("the child waits for a lock that its parent held at the fork")
+                self.assertEqual(child.exitcode, 0)
+            finally:
+                for lock in locks:
+                    lock.release()
 
 
 @unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")

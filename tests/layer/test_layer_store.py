@@ -138,6 +138,20 @@ class TestLayerStore(DistTestCase):
             kept.keep("r", 99)
         self.assertEqual((kept.kept("r"), os.listdir(os.path.join(kept.path, ".kept"))), (12345, ["r"]))
 
+    def test_damaged_notes_and_records_are_none(self):
+        """Nested past the recursion limit, of the wrong type or cut short: no note or record, never an exception."""
+        store = SharedCacheStore(root=self.root)
+        self.addCleanup(store.close)
+        kept = SharedCacheStore(os.path.join(self.root, "kept"), persistent=True)
+        self.addCleanup(kept.close)
+        self.assertTrue(store.add_note("fine", 1))
+        kept.keep("r", [1])
+        for damage in ("[" * 100_000 + "]" * 100_000, '{"a": ', "\xff"):
+            for where in (os.path.join(store.path, ".notes", "n"), os.path.join(kept.path, ".kept", "r")):
+                with open(where, "w", encoding="latin-1") as f:
+                    f.write(damage)
+            self.assertEqual((store.notes(), kept.kept("r")), ({"fine": 1}, None))
+
     @DistCall(nproc_per_node=2, timeout=120)
     def test_create_shared_cache_across_ranks(self):
         """2 gloo ranks: one layer store per node, which both ranks use."""

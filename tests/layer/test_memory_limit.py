@@ -112,6 +112,36 @@ class TestCgroupLimit(unittest.TestCase):
         (message,) = [str(w.message) for w in caught if "budget" in str(w.message)]
         self.assertIn("24 MiB are free of 64 MiB where its items count", message)
 
+    @parameterized.expand(
+        [
+            ("v2", "0::/pod", {"pod/memory.max": 64 << 20, "pod/memory.current": 60 << 20}, "inactive_file"),
+            (
+                "v1",
+                "7:memory:/pod",
+                {"memory/pod/memory.limit_in_bytes": 64 << 20, "memory/pod/memory.usage_in_bytes": 60 << 20},
+                "total_inactive_file",
+            ),
+        ]
+    )
+    def test_reclaimable_page_cache_is_room(self, _, proc, files, stat_name):
+        """Input files read fill the page cache toward the limit: what the kernel reclaims first is room (kubelet)."""
+        fake = tempfile.mkdtemp()  # 60 of 64 MiB used, 36 of them inactive page cache: 40 MiB are left
+        self.addCleanup(shutil.rmtree, fake, True)
+        with open(os.path.join(fake, "cgroup"), "w") as f:
+            f.write(proc + "\n")
+        where = os.path.dirname(os.path.join(fake, next(iter(files))))
+        os.makedirs(where)
+        for name, value in files.items():
+            with open(os.path.join(fake, name), "w") as f:
+                f.write(f"{value}\n")
+        with open(os.path.join(where, "memory.stat"), "w") as f:
+            f.write(f"anon 1\nshmem 5\n{stat_name}x 7\n{stat_name} {36 << 20}\nactive_file 9\n")
+        with mock.patch.multiple(memory, PROC_CGROUP=os.path.join(fake, "cgroup"), CGROUP_FS=fake):
+            self.assertEqual(memory.cgroup_room(), (64 << 20, 40 << 20))
+            with open(os.path.join(where, "memory.stat"), "w") as f:
+                f.write(f"{stat_name} lots\n")  # damaged: nothing counts as reclaimable
+            self.assertEqual(memory.cgroup_room(), (64 << 20, 4 << 20))
+
     def test_faked_cgroup_limit_below_free_space(self):
         """In a private mount namespace, a faked cgroup tree and a 1 GiB /dev/shm: the limit refuses what fits."""
         reason = private_mount_namespace()
