@@ -25,7 +25,8 @@ so a file rewritten in place, or the same relative name in another directory, ke
   counts by its code: bytecode, constants, names, defaults, closure values and the globals it reads, recursively, and
   for a class its bases and members. Library code counts by its name and its distribution's version. Sets count by
   their sorted elements. Members whose state cannot change an item (``STATELESS_TYPES``) count by their type, and a
-  ``multiprocessing`` shared value by its content, so processes still share. Any other member
+  ``multiprocessing`` shared value by the content it held when first keyed in the process, so processes still share
+  and a count that moves churns no key. Any other member
   that pickle cannot store makes the fingerprint private to its process (``Fingerprint.private`` names it).
 - :py:func:`stamp_files` replaces, in a data entry, each string or path that names an existing regular file by its
   absolute path and stat data, as git's index keeps it: one ``stat`` per name, no byte read, no directory walked.
@@ -52,6 +53,7 @@ import time
 import types
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache, partial
 from typing import Any, NamedTuple
@@ -95,6 +97,7 @@ _PLAIN = (str, bytes, int, float, bool, type(None), tuple, list, dict, complex)
 # class members that cannot change an item: what pickle, abc and the compiler (line numbers) add
 _CLASS_NOISE = {"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__slotnames__", "_abc_impl"}
 _CLASS_NOISE |= {"__firstlineno__", "__static_attributes__"}
+_SHARED_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a shared value's first content, here
 _digests: dict[str, tuple[tuple[int, ...], bytes]] = {}  # path -> (stat data, content digest), of this process
 
 
@@ -158,14 +161,20 @@ def _qualname(cls: type) -> str:
 
 
 def _shared_value(obj: Any) -> tuple | None:
-    """A ``multiprocessing`` shared value or array by its type and content, which every process that holds it sees."""
+    """
+    A ``multiprocessing`` shared value or array by its type and the content it held when this process first keyed
+    it: a transform that counts its calls in one keeps its key as the count moves (``set_data`` reuses the items).
+    """
     raw = getattr(obj, "_obj", obj)
-    if type(getattr(raw, "_wrapper", None)).__module__ != "multiprocessing.heap":
+    wrapper = getattr(raw, "_wrapper", None)  # the shared block, which lives as long as the value
+    if type(wrapper).__module__ != "multiprocessing.heap":
         return None
-    try:
-        content = memoryview(raw).tobytes()
-    except TypeError:
-        return None
+    content = _SHARED_SEEN.get(wrapper)
+    if content is None:
+        try:
+            content = _SHARED_SEEN.setdefault(wrapper, memoryview(raw).tobytes())
+        except TypeError:
+            return None
     return ("shared memory", _qualname(type(obj)), _qualname(type(raw)), content)
 
 

@@ -56,25 +56,90 @@ def version_tag() -> str:
     return f"monai{monai.__version__}"
 
 
-def prepare(path: str) -> None:
+def prepare(path: str) -> tuple[str, tuple[int, int]]:
     """
     Make ``path`` a persistent store unless it is one: its missing parents and itself made (mode ``0o700``), then
-    kept by the core.
+    kept by the core. Its path without links (see :py:func:`resolve`), and the identity of its directory.
 
     Raises:
         ValueError: ``path`` is on a network file system, is named like a temporary store, or holds something else.
-        PermissionError: ``path`` is not a private directory of this user.
+        PermissionError: ``path`` is not a private directory of this user, or goes through a link that another user
+            made or could replace.
     """
     from monai.data.cache_store import SharedCacheStore
 
-    check_local(path)
+    check_local(path)  # before anything is made
     if os.path.basename(path).startswith("monai-cache-"):  # the cleaners of temporary stores would remove it
         raise ValueError(
             f"SharedCacheStore: the name of a persistent store must not start with 'monai-cache-', the prefix of "
             f"temporary stores, got {path!r}."
         )
-    _make_private(path)
-    SharedCacheStore.mark_kept(path)
+    real, ident = resolve(path)
+    SharedCacheStore.mark_kept(real)
+    return real, ident
+
+
+def resolve(path: str) -> tuple[str, tuple[int, int]]:
+    """
+    The absolute ``path`` without links, its missing directories made (mode ``0o700``), and the identity of the
+    directory it names. It is opened one component at a time from ``/``, never through a link unchecked: a link is
+    followed only if this user or root owns it and its directory, and no other user can write that directory (which
+    git's ``safe.directory`` also asks of a repository). Else another user could point it at another store of this
+    user, whose items the store would then clear or evict.
+
+    Raises:
+        PermissionError: a link that another user made or could replace.
+        OSError: a component is not a directory, or too many links.
+    """
+    flags, uid = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0), os.getuid()
+    nofollow = flags | getattr(os, "O_NOFOLLOW", 0)
+    todo, done, links, fd = path.split("/"), "/", 0, os.open("/", flags)
+    try:
+        while todo:
+            name = todo.pop(0)
+            if name in ("", "."):
+                continue
+            if name == "..":
+                new, done = os.open("..", flags, dir_fd=fd), os.path.dirname(done)
+            else:
+                try:
+                    new = os.open(name, nofollow, dir_fd=fd)
+                except FileNotFoundError:
+                    os.mkdir(name, 0o700, dir_fd=fd)
+                    new = os.open(name, nofollow, dir_fd=fd)
+                    os.fchmod(new, 0o700)  # whatever the umask
+                except OSError as err:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    if err.errno not in (errno.ELOOP, errno.ENOTDIR) or not stat.S_ISLNK(st.st_mode) or links >= 40:
+                        raise
+                    _check_link(path, os.path.join(done, name), st, os.fstat(fd), uid)
+                    target = os.readlink(name, dir_fd=fd)
+                    links, todo = links + 1, target.split("/") + todo
+                    if target.startswith("/"):
+                        os.close(fd)
+                        fd, done = os.open("/", flags), "/"
+                    continue
+                done = os.path.join(done, name)
+            os.close(fd)
+            fd = new
+        st = os.fstat(fd)
+        return done, (st.st_dev, st.st_ino)
+    finally:
+        os.close(fd)
+
+
+def _check_link(path: str, link: str, st: os.stat_result, where: os.stat_result, uid: int) -> None:
+    if st.st_uid not in (uid, 0):
+        problem = f"owned by uid {st.st_uid}"
+    elif where.st_uid not in (uid, 0) or where.st_mode & 0o022:
+        problem = f"in a directory that other users can write (mode {oct(stat.S_IMODE(where.st_mode))})"
+    else:
+        return
+    raise PermissionError(
+        f"SharedCacheStore: refusing {path!r}: {link!r} is a symbolic link {problem}, which another user could point "
+        "at another of your stores, whose items this store would clear. A link is followed only if you or root own "
+        "it, in a directory that no one else can write: give the path without the link."
+    )
 
 
 def check_local(path: str) -> None:
@@ -92,22 +157,6 @@ def check_local(path: str) -> None:
             "emulated, and a persistent store relies on flock to tell which runs still use it: keep a persistent "
             "store on a node-local file system (a local disk, /dev/shm)."
         )
-
-
-def _make_private(path: str) -> None:
-    """Make the directory ``path`` and its missing parents, each of mode ``0o700`` whatever the umask."""
-    parent = os.path.dirname(path)
-    if parent != path and not os.path.isdir(parent):
-        _make_private(parent)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        return
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        os.fchmod(fd, 0o700)
-    finally:
-        os.close(fd)
 
 
 def check_files(at: Any, names: tuple[str, ...]) -> None:

@@ -107,8 +107,9 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         ValueError: ``max_bytes`` is not a non-negative integer, or is given with ``path`` (without ``persistent``);
             ``persistent=True`` without ``path`` or with ``root``; ``path`` is not empty and holds no persistent
             store, is named like a temporary store (``monai-cache-*``), or is on a network file system.
-        PermissionError: with ``persistent=True``, ``path`` or a file of the store's own in it is a symbolic link,
-            another user's or writable by others.
+        PermissionError: with ``persistent=True``, ``path`` or a file of the store's own in it is another user's or
+            writable by others, a file of the store's own is a symbolic link, or ``path`` goes through a link that
+            another user made or could replace.
 
     Example:
         .. code-block:: python
@@ -145,8 +146,11 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             )
         try:
             if persistent:
-                persist.prepare(cast(str, path))
+                path, ident = persist.prepare(cast(str, path))
             super().__init__(path, root=root, claim_timeout=claim_timeout, reserve=reserve)
+            if persistent and (self.directory.ident.st_dev, self.directory.ident.st_ino) != ident:
+                self.close()  # a component was replaced since it was resolved
+                raise PermissionError(f"SharedCacheStore: refusing {path!r}: it changed while it was opened.")
         except OSError as err:  # a full or read-only file system: the job goes on without the cache
             if path is None or isinstance(err, PermissionError) or err.errno not in _NO_ROOM:
                 raise

@@ -149,6 +149,28 @@ class TestTransformsFingerprint(unittest.TestCase):
         self.assertEqual(transforms_hashing([Holds(two)]), transforms_hashing([Holds(two)]))
         self.assertEqual(transforms_hashing([Holds(two)]), transforms_hashing([Holds(multiprocessing.Value("d", 2.0))]))
 
+    def test_a_shared_value_keeps_its_first_content(self):
+        """A transform that counts its calls in a Value: the key stays as the count moves, and set_data reuses all."""
+        calls = multiprocessing.Value("i", 0)
+
+        def count(x):
+            with calls.get_lock():
+                calls.value += 1
+            return x * 2
+
+        first = transforms_hashing([Holds(calls)])
+        calls.value = 5
+        self.assertEqual(transforms_hashing([Holds(calls)]), first)
+        self.assertNotEqual(transforms_hashing([Holds(multiprocessing.Value("i", 5))]), first)  # another, from 5
+        store = SharedCacheStore()
+        self.addCleanup(store.close)
+        ds = CacheDataset(list(range(4)), Compose([Holds(calls), Lambda(count)]), runtime_cache=store, progress=False)
+        self.assertEqual([ds[i] for i in range(4)], [0, 2, 4, 6])
+        ds.set_data(list(range(4)))
+        ds.set_data(list(range(2, 6)))
+        self.assertEqual([ds[i] for i in range(4)], [4, 6, 8, 10])
+        self.assertEqual(calls.value - 5, 6)  # 4, then the 2 new inputs only
+
     def test_a_member_pickle_cannot_store_is_private(self):
         import socket
 

@@ -240,7 +240,7 @@ class TestPersistentStore(DistTestCase):
 
     @parameterized.expand([("full", errno.ENOSPC), ("read_only", errno.EROFS)])
     def test_file_system_without_room_at_open(self, _, code):
-        with mock.patch.object(persist, "_make_private", side_effect=OSError(code, os.strerror(code))):
+        with mock.patch.object(persist, "resolve", side_effect=OSError(code, os.strerror(code))):
             with self.assertWarnsRegex(RuntimeWarning, "cannot make or open the store"):
                 store = self.open()  # the job goes on, without the cache
         with warnings.catch_warnings():
@@ -304,9 +304,14 @@ class TestPersistentStore(DistTestCase):
         store = self.open()
         store.close()
         link = os.path.join(self.tmp, "link")
-        os.symlink(self.path, link)
-        with self.assertRaisesRegex(PermissionError, "symbolic link"):
-            SharedCacheStore(link, persistent=True)
+        os.symlink(self.path, link)  # the user's own, in a directory that only the user can write: followed
+        linked = SharedCacheStore(link, persistent=True)
+        self.assertEqual(linked.path, self.path)
+        linked.close()
+        if os.geteuid() == 0:
+            os.lchown(link, 4321, 4321)  # another user's: refused
+            with self.assertRaisesRegex(PermissionError, "symbolic link owned by uid 4321"):
+                SharedCacheStore(link, persistent=True)
         os.unlink(os.path.join(self.path, ".budget"))
         os.symlink(os.path.join(self.tmp, "log"), os.path.join(self.path, ".budget"))
         with self.assertRaisesRegex(PermissionError, "\\.budget' in it is a symbolic link"):
@@ -328,6 +333,39 @@ class TestPersistentStore(DistTestCase):
         self.assertEqual((again.get_or_compute("a", lambda: 3), again.get_or_compute("b", lambda: 4)), (3, 4))
         self.assertEqual(Path(self.log).read_text(), "mine")  # the link was replaced, not followed
         self.assertFalse(os.path.islink(linked))  # a file of the store's own now
+
+    @unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0, "needs root to make a link of another user")
+    def test_links_that_another_user_could_point_elsewhere(self):
+        """
+        In a project directory that everyone can write, another user points ``pub/proj2`` at the victim's other
+        project: the victim's store there is neither cleared nor joined. Links of the victim's own in a private
+        directory (or root's) are followed, and ``path`` is the store's real path.
+        """
+        other = os.path.join(self.tmp, "otherproj", "cache")
+        kept = SharedCacheStore(other, persistent=True)
+        kept.put("a", 1)
+        kept.close()
+        pub = os.path.join(self.tmp, "pub")
+        os.mkdir(pub)
+        os.chmod(pub, 0o777)
+        theirs, mine = os.path.join(pub, "proj2"), os.path.join(pub, "proj3")
+        os.symlink(os.path.join("..", "otherproj"), theirs)
+        os.lchown(theirs, 4321, 4321)  # made by another user
+        os.symlink(os.path.join(self.tmp, "otherproj"), mine)  # the victim's own, but where others can write
+        for link, problem in ((theirs, "owned by uid 4321"), (mine, "in a directory that other users can write")):
+            with self.assertRaisesRegex(PermissionError, f"'{link}' is a symbolic link {problem}"):
+                SharedCacheStore(os.path.join(link, "cache"), persistent=True).clear()
+        self.assertEqual(SharedCacheStore(other, persistent=True).get("a"), 1)  # untouched
+        private = os.path.join(self.tmp, "private")
+        os.mkdir(private, 0o700)
+        os.symlink(os.path.join("..", "otherproj"), os.path.join(private, "proj"))
+        store = SharedCacheStore(os.path.join(private, "proj", ".", "cache"), persistent=True)
+        self.addCleanup(store.close)
+        self.assertEqual((store.path, store.get("a")), (other, 1))
+        made = SharedCacheStore(os.path.join(private, "proj", "new", "deeper"), persistent=True)
+        self.addCleanup(made.close)
+        self.assertEqual(made.path, os.path.join(self.tmp, "otherproj", "new", "deeper"))
+        self.assertEqual(stat.S_IMODE(os.stat(os.path.dirname(made.path)).st_mode), 0o700)
 
     def test_path_with_dot_entries_is_refused_and_kept(self):
         path = os.path.join(self.tmp, "data")
