@@ -102,6 +102,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         persistent: keep the store in ``path`` when its last user leaves, for later runs. With it, ``reserve`` and
             ``max_bytes``, if given, each replace the value that the store recorded, when no other run uses it. A
             store that was made persistent is joined as such without it.
+        weights_only: the allow-list of the items' types, as the core's (``False`` reads any type, which can run code).
 
     Raises:
         ValueError: ``max_bytes`` is not a non-negative integer, or is given with ``path`` (without ``persistent``);
@@ -130,6 +131,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         reserve: int | None = None,
         max_bytes: int | None = None,
         persistent: bool = False,
+        weights_only: bool = True,
     ) -> None:
         max_bytes = budget.check_bytes("max_bytes", max_bytes)
         env_max = budget.env_bytes(budget.ENV_MAX_BYTES) if persistent or path is None else None  # before any file
@@ -147,7 +149,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         try:
             if persistent:
                 path, ident = persist.prepare(cast(str, path))
-            super().__init__(path, root=root, claim_timeout=claim_timeout, reserve=reserve)
+            super().__init__(path, root=root, claim_timeout=claim_timeout, reserve=reserve, weights_only=weights_only)
             if persistent and (self.directory.ident.st_dev, self.directory.ident.st_ino) != ident:
                 self.close()  # a component was replaced since it was resolved
                 raise PermissionError(f"SharedCacheStore: refusing {path!r}: it changed while it was opened.")

@@ -47,6 +47,16 @@ class AddOne(RandomizableTransform):
         return d
 
 
+class Box:
+    """An item of the user's own type, which a ListProxy held too."""
+
+    def __init__(self, d: dict) -> None:
+        self.d = d
+
+    def __repr__(self) -> str:
+        return f"Box({self.d})"
+
+
 class TestProcessStore(unittest.TestCase):
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp()
@@ -102,6 +112,12 @@ class TestProcessStore(unittest.TestCase):
                 self.assertEqual([ds[i]["img"][0].item() for _ in range(2) for i in range(4)], [1.0, 2.0, 3.0, 4.0] * 2)
         self.assertEqual(self.computed(), [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3])  # twice each, uncached
         self.assertEqual(sorted(os.listdir(self.tmp)), ["afile", "log", "shm"])
+
+    @needs_store
+    def test_items_of_any_type(self):
+        ds = CacheDataset(list(range(3)), Compose([Load(self.log), Lambda(Box)]), runtime_cache="process")
+        self.assertEqual([ds[i].d["src"] for i in range(3) for _ in range(2)], [0, 0, 1, 1, 2, 2])
+        self.assertEqual(self.computed(), [0, 1, 2])  # once each: stored
 
     def test_without_fcntl_a_manager_list(self):
         with mock.patch.object(SharedCacheStore, "supported", False):

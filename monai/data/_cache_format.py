@@ -16,11 +16,13 @@ private mapping of the file gives them as views, with no copy.
 
 from __future__ import annotations
 
+import enum
 import errno
 import io
 import os
 import pickle
 import struct
+import sys
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -40,8 +42,53 @@ UNSTORABLE = "Such items are computed without being stored. To cache them, keep 
 UNSTORABLE += "the data to the device after them, e.g. with EnsureTyped(keys, device=...)), or use runtime_cache=False."
 
 
+# what MONAI's items hold, beside the types of builtins that pickle writes as opcodes (dict, list, str, ...)
+_SAFE = {
+    "builtins": {"complex", "range", "slice", "set", "frozenset", "bytearray", "bytes"},
+    "collections": {"OrderedDict", "deque", "Counter"},
+    "numpy": {"dtype", "ndarray"},
+    "numpy.core.multiarray": {"_reconstruct", "scalar"},
+    "numpy._core.multiarray": {"_reconstruct", "scalar"},
+    "torch": {"Size", "Tensor", "device"},
+    "torch._utils": {"_rebuild_sparse_tensor", "_rebuild_parameter"},
+    "torch.serialization": {"_get_layout"},
+    __name__: {"_rebuild_tensor", "_rebuild_ndarray"},
+}
+ALLOW = (
+    "Items hold only the types of MONAI, torch, numpy and the builtins, and those of "
+    "torch.serialization.add_safe_globals([YourType]), as PersistentDataset's weights_only=True reads them; or give "
+    "the store weights_only=False, if no one else could have written its directory."
+)
+
+
 class CorruptItemError(Exception):
     pass
+
+
+class UnsafeTypeError(pickle.UnpicklingError):
+    """An item holds a type that the allow-list leaves out."""
+
+
+class _Unpickler(pickle.Unpickler):
+    """Only the types of ``_SAFE``, and of MONAI, torch and numpy, and ``add_safe_globals``: reading runs no code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _SAFE.get(module, ()):
+            return super().find_class(module, name)
+        obj = getattr(sys.modules.get(module), name, None)  # never imported here: an import runs code
+        plain = (enum.Enum, torch.Tensor, np.dtype, np.generic)
+        if module.partition(".")[0] in ("monai", "torch", "numpy") and "." not in name:
+            if isinstance(obj, torch.dtype) or isinstance(obj, type) and issubclass(obj, plain):
+                return obj
+        for safe in torch.serialization.get_safe_globals():
+            found, qualname = safe if isinstance(safe, tuple) else (safe, f"{safe.__module__}.{safe.__qualname__}")
+            if qualname == f"{module}.{name}":
+                return found
+        raise UnsafeTypeError(f"{module}.{name} is not among the types allowed in an item. {ALLOW}")
+
+
+def loads(stream: Any, buffers: list, weights_only: bool) -> Any:
+    return (_Unpickler if weights_only else pickle.Unpickler)(io.BytesIO(stream), buffers=buffers).load()
 
 
 def _plain_state(cls: type) -> bool:
@@ -102,12 +149,17 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def encode(key: str, item: Any) -> tuple[list[tuple[int, memoryview]], int]:
-    """The ``(offset, bytes)`` chunks of the file of ``item`` under ``key``, and its length; raises if pickle fails."""
+def encode(key: str, item: Any, weights_only: bool = True) -> tuple[list[tuple[int, memoryview]], int]:
+    """
+    The ``(offset, bytes)`` chunks of the file of ``item`` under ``key``, and its length; raises if pickle fails, or
+    (``weights_only``) if the item cannot be read back (``UnsafeTypeError``).
+    """
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
     _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(item)
     body, raws = stream.getbuffer(), [b.raw() for b in buffers]
+    if weights_only:  # what the readers would refuse is not stored: no item computed and written on every read
+        loads(body, raws, weights_only)
     key_bytes = key.encode("utf-8", "surrogatepass")
     header_len = _align(_PREFIX.size + len(key_bytes) + _ENTRY.size * len(raws))
     total, table = header_len + body.nbytes, []
@@ -150,8 +202,11 @@ def read_file(d: Any, name: str, map_large: Callable[[int, os.stat_result, str],
         os.close(fd)
 
 
-def decode(buf: memoryview, key: str) -> Any:
-    """The item in the file content ``buf``, or ``MISS`` if it holds another key; raises ``CorruptItemError``."""
+def decode(buf: memoryview, key: str, weights_only: bool = True) -> Any:
+    """
+    The item in the file content ``buf``, or ``MISS`` if it holds another key; raises ``CorruptItemError``, or
+    (``weights_only``) ``UnsafeTypeError`` for a type that the allow-list leaves out.
+    """
     if buf.nbytes < _PREFIX.size:
         raise CorruptItemError("truncated header")
     magic, version, _, header_len, total, key_len, n_buffers, pickle_len = _PREFIX.unpack_from(buf, 0)
@@ -169,6 +224,8 @@ def decode(buf: memoryview, key: str) -> Any:
             raise CorruptItemError("bad buffer table")
         buffers.append(buf[offset : offset + length])
     try:
-        return pickle.loads(buf[header_len : header_len + pickle_len], buffers=buffers)
+        return loads(buf[header_len : header_len + pickle_len], buffers, weights_only)
+    except UnsafeTypeError:
+        raise
     except (pickle.UnpicklingError, EOFError, struct.error) as err:
         raise CorruptItemError(f"bad pickle stream: {err}") from err

@@ -37,6 +37,7 @@ _TMP = ".tmp"
 _PERSISTENT = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", -1)}
 _NO_ROOM = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", -1)}
 _UNCACHED = "Items are computed without the cache from now on in this process."
+_UNSAFE = "Such items are computed without being stored."
 ENV_RESERVE = "MONAI_CACHE_RESERVE_BYTES"
 _ROOT = "A root must be an existing directory where this user can make directories."
 _MORE = (
@@ -47,11 +48,11 @@ _MORE = (
 
 
 def _attach(
-    cls: type[SharedCacheStore], path: str, ident: tuple[int, int], reserve: int | None = None
+    cls: type[SharedCacheStore], path: str, ident: tuple[int, int], reserve: int | None = None, safe: bool = True
 ) -> SharedCacheStore:
     """Unpickle a store without using it (in a DataLoader worker): its directory is opened and checked anew."""
     store = cls.__new__(cls)
-    store.reserve = reserve
+    store.reserve, store.weights_only = reserve, safe
     if ident == (0, 0):  # never made (no room): it stays so
         store._setup(path, None)
         return store
@@ -97,6 +98,10 @@ class SharedCacheStore:
             directory.
         reserve: bytes that this process keeps free on the store's file system; by default
             ``$MONAI_CACHE_RESERVE_BYTES``, else half the file system, at most 4 GiB.
+        weights_only: as ``PersistentDataset``'s: items are read with an allow-list (the types of MONAI, torch,
+            numpy, the builtins, and those of ``torch.serialization.add_safe_globals``), so reading runs no code, and
+            an item of another type is computed without being stored; ``False`` unpickles any type, which can run
+            code: only for a store whose directory no one else could have written.
 
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows).
@@ -114,12 +119,12 @@ class SharedCacheStore:
             other = SharedCacheStore(store.path)  # in another process of this user, on this machine
 
     Warning:
-        Items are unpickled when read, which can run code: a store joins only a directory of this user closed to
-        others, as made. It holds CPU tensors only.
+        A store joins only a directory of this user closed to others, as made. It holds CPU tensors only.
     """
 
     supported = locks.AVAILABLE  # not without fcntl (Windows)
     reserve: int | None
+    weights_only: bool = True
 
     def __init__(
         self,
@@ -127,13 +132,14 @@ class SharedCacheStore:
         *,
         root: str | os.PathLike | None = None,
         reserve: int | None = None,
+        weights_only: bool = True,
     ) -> None:
         if not self.supported:
             raise NotImplementedError(
                 "SharedCacheStore needs fcntl file locks, which this platform lacks. Use "
                 "CacheDataset(runtime_cache='process'), which keeps the cache in a multiprocessing Manager list here."
             )
-        self.reserve = _reserve(reserve)
+        self.reserve, self.weights_only = _reserve(reserve), bool(weights_only)
         if path is not None:
             if root is not None:
                 raise ValueError("root is where a new store is made: give path or root, not both.")
@@ -193,7 +199,7 @@ class SharedCacheStore:
         return f"{type(self).__name__}({self._path!r})"
 
     def __reduce__(self) -> tuple:
-        return _attach, (type(self), self._path, self._ident, self.reserve)
+        return _attach, (type(self), self._path, self._ident, self.reserve, self.weights_only)
 
     def get(self, key: str, default: Any = None) -> Any:
         """The item stored under ``key``, or ``default``."""
@@ -205,9 +211,10 @@ class SharedCacheStore:
         if self._gone or not self._writable:
             return False
         try:
-            chunks, total = fmt.encode(key, item)
+            chunks, total = fmt.encode(key, item, self.weights_only)
         except Exception as err:
-            self._warn_once("cannot store some items", err, fmt.UNSTORABLE)
+            then = _UNSAFE if isinstance(err, fmt.UnsafeTypeError) else fmt.UNSTORABLE
+            self._warn_once("cannot store some items", err, then)
             return False
         why = self.room_for(total)
         if why is not None:
@@ -304,9 +311,11 @@ class SharedCacheStore:
         try:
             if not self._gone:
                 buf, ino = fmt.read_file(self._dir, path, self.map_item)
-                return fmt.decode(buf, key)
+                return fmt.decode(buf, key, self.weights_only)
         except FileNotFoundError:
             pass
+        except fmt.UnsafeTypeError as err:  # planted, or written by a store that allows more
+            self._warn_once("refused items of a type not allowed", err, "Such items are computed anew.")
         except OSError as err:
             self._warn_once("cannot read items", err)
         except fmt.CorruptItemError:

@@ -20,6 +20,7 @@ import errno
 import gc
 import os
 import pickle
+import threading
 import unittest
 import warnings
 from unittest import mock
@@ -27,8 +28,9 @@ from unittest import mock
 import numpy as np
 from parameterized import parameterized
 
+from monai.data import _cache_format as fmt
 from monai.data.cache_store import SharedCacheStore
-from tests.test_cache_store import StoreTestCase, needs_store
+from tests.test_cache_store import TIMEOUT, StoreTestCase, needs_store
 
 
 class _Narrow(SharedCacheStore):
@@ -46,8 +48,42 @@ class _FilledMeanwhile(SharedCacheStore):
         return (20 if found else 40) * 2**20, 64 * 2**20
 
 
+class _Sized(SharedCacheStore):
+    """A store alone on a 64 MiB file system: what it holds, items and writes under way, is all that is used."""
+
+    def free_space(self) -> tuple[int, int] | None:
+        used = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(self.path) for n in names)
+        return (64 << 20) - used, 64 << 20
+
+
 @needs_store
 class TestReserveExtended(StoreTestCase):
+    def test_reserve_holds_under_concurrent_writers(self):
+        """8 writers at once, each past the first check before any wrote, and a reserve that leaves room for 4 items."""
+        store = self.new_store(_Sized, reserve=36 << 20)
+        everyone_checked, real = threading.Barrier(8, timeout=TIMEOUT), fmt.write_item
+
+        def wait_then_write(fd, chunks):
+            everyone_checked.wait()  # each found room for its item before any byte was written
+            real(fd, chunks)
+
+        stored: list[bool] = []
+        with mock.patch.object(fmt, "write_item", wait_then_write), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "not storing items past the budget"
+            threads = [
+                threading.Thread(target=lambda i=i: stored.append(store.put(f"k{i}", np.full((6 << 20) // 8, i))))
+                for i in range(8)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(TIMEOUT)
+        self.assertEqual(len(stored), 8)
+        self.assertGreaterEqual(store.free_space()[0], 36 << 20)  # the reserve held, with every write published
+        self.assertIn(sum(stored), range(1, 5))
+        self.assertEqual(len(self.files(store)), sum(stored))
+        self.assertEqual(self.files(store, ".tmp"), [])
+
     def test_reserve_checked_again_once_written(self):
         """Writers that pass the check at once do not eat the reserve together: the last to find it gone refuses."""
         store = self.new_store(_FilledMeanwhile, reserve=32 * 2**20)

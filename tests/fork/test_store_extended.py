@@ -17,6 +17,7 @@ runtime cache of datasets, DataLoader workers and gloo ranks.
 
 from __future__ import annotations
 
+import collections
 import errno
 import gc
 import hashlib
@@ -409,6 +410,77 @@ class TestSettings(StoreCase):
         finally:
             release.set()
             thread.join(TIMEOUT)
+
+
+class Point:
+    """A type of the user's: not read from a store unless allowed."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+    def __repr__(self) -> str:
+        return f"Point({self.x})"
+
+
+class Evil:
+    """Unpickled, it creates the file ``canary``: code ran."""
+
+    def __init__(self, canary: str) -> None:
+        self.canary = canary
+
+    def __reduce__(self) -> tuple:
+        return open, (self.canary, "w")
+
+
+@skip_unless_store
+class TestAllowList(StoreCase):
+    """Items are read with an allow-list of types, as PersistentDataset's weights_only=True: reading runs no code."""
+
+    def test_a_planted_item_runs_nothing(self) -> None:
+        store, canary = self.new_store(), os.path.join(self.root, "pwned")
+        trusting = SharedCacheStore(store.path, weights_only=False)
+        self.addCleanup(trusting.close)
+        self.assertTrue(trusting.put("k", {"img": torch.ones(2), "x": Evil(canary)}))  # written as someone could
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertEqual((store.get("k"), store.get("k")), (None, None))
+            self.assertEqual(store.get_or_compute("k", lambda: 3), 3)  # computed anew, and stored in its place
+        self.assertFalse(os.path.exists(canary))
+        messages = [str(w.message) for w in caught]
+        self.assertEqual(len(messages), 1, messages)
+        self.assertRegex(messages[0], r"\.open is not among the types allowed.*add_safe_globals")
+        self.assertEqual(store.get("k"), 3)
+
+    def test_types_of_the_user(self) -> None:
+        store = self.new_store()
+        with self.assertWarnsRegex(RuntimeWarning, f"{__name__}.Point is not among.*computed without being stored"):
+            self.assertFalse(store.put("p", Point(1)))
+        self.assertEqual(item_files(store.path), [])
+        with torch.serialization.safe_globals([Point]):
+            self.assertTrue(store.put("p", [Point(2)]))
+            self.assertEqual(store.get("p")[0].x, 2)
+        trusting = SharedCacheStore(store.path, weights_only=False)
+        self.addCleanup(trusting.close)
+        copy = pickle.loads(pickle.dumps(trusting))  # a DataLoader worker's copy trusts as its parent
+        self.addCleanup(copy.close)
+        self.assertTrue(trusting.put("q", Point(3)))
+        self.assertEqual((copy.get("q").x, trusting.get("p")[0].x), (3, 2))
+        self.assertIsNone(pickle.loads(pickle.dumps(store)).get("q"))
+
+    def test_what_monai_items_hold(self) -> None:
+        store = self.new_store()
+        meta = MetaTensor(torch.ones(2, 3), affine=torch.eye(4), meta={"filename_or_obj": "a.nii", "dim": np.int64(3)})
+        item = {
+            "img": meta,
+            "label": np.zeros((2, 2), dtype=np.uint8),
+            "misc": [1 + 2j, slice(1, 2), range(3), {1, 2}, frozenset([3]), bytearray(b"x"), torch.Size([2])],
+            "dtypes": (np.dtype("f4"), torch.float16, np.float64(2.0), torch.device("cpu")),
+            "ordered": collections.OrderedDict(a=1),
+        }
+        self.assertTrue(store.put("k", item))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _assert_same(self, item, store.get("k"))
 
 
 def _warn_quietly(store: SharedCacheStore) -> None:
