@@ -13,8 +13,8 @@ What reading items with an allow-list of types costs a hit (``PYTHONPATH=build/t
 benchmarks/bench_allowlist.py [--small] [--reps 25]``): the item of ``bench_cache.py`` (a dict of two MetaTensors,
 145 MiB; 9.6 MiB with ``--small``), a hit of it (read + 96³ random crop + collate-like copy) through a store made with
 ``weights_only=True`` (the default, the allow-list) and one with ``weights_only=False`` (any type), interleaved hit by
-hit in one process; the medians and their ratio. The store's fast path is as ``MONAI_CACHE_FAST_PATH`` says (on by
-default; ``0`` for the portable store, whose reads map each item file afresh).
+hit in one process, each first in every other round; the medians and their ratio. The store's fast path is as
+``MONAI_CACHE_FAST_PATH`` says (on by default; ``0`` for the portable store, whose reads map each item file afresh).
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def main() -> None:
     stores = {"allow-list": SharedCacheStore(weights_only=True), "any type": SharedCacheStore(weights_only=False)}
     datasets = {name: CacheDataset(data, tr, runtime_cache=store, progress=False) for name, store in stores.items()}
     times: dict[str, list[float]] = {name: [] for name in datasets}
+    names = list(datasets)
     for r in range(2 + args.reps):
-        for name, ds in datasets.items():
+        for name in names if r % 2 else names[::-1]:  # each first in every other round: no order bias
+            ds = datasets[name]
             start = time.perf_counter()
             hit(ds, 0)
             if r >= 2:  # after 2 warm-up hits: the first one computes the item
