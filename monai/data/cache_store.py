@@ -48,7 +48,7 @@ _MORE = (
 
 
 def _attach(
-    cls: type[SharedCacheStore], path: str, ident: tuple[int, int], reserve: int | None = None, safe: bool = True
+    cls: type, path: str, ident: tuple[int, int], reserve: int | None = None, safe: bool = True
 ) -> SharedCacheStore:
     """Unpickle a store without using it (in a DataLoader worker): its directory is opened and checked anew."""
     store = cls.__new__(cls)
