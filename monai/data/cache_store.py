@@ -48,7 +48,7 @@ _MORE = (
 
 
 def _attach(
-    cls: type, path: str, ident: tuple[int, int], reserve: int | None = None, safe: bool = True
+    cls: Any, path: str, ident: tuple[int, int], reserve: int | None = None, safe: bool = True
 ) -> SharedCacheStore:
     """Unpickle a store without using it (in a DataLoader worker): its directory is opened and checked anew."""
     store = cls.__new__(cls)
@@ -152,7 +152,7 @@ class SharedCacheStore:
                 self._warn_once("the directory is gone", err)
             return
         given = root is not None
-        root = os.path.expanduser(os.fsdecode(root)) if given else locks.default_root()
+        root = locks.default_root() if root is None else os.path.expanduser(os.fsdecode(root))
         where = f"root={root!r}" if given else f"{locks.ENV_ROOT}={root!r}" if os.environ.get(locks.ENV_ROOT) else root
         locks.cleanup_leftovers(root)
         new, held = cast(locks.Dir, None), cast(locks.Held, None)
