@@ -31,7 +31,7 @@ import torch
 
 MISS = object()  # what `decode` returns for the file of another key
 _MAGIC = b"\x89MONAI\r\n"
-VERSION = 1
+VERSION = 2  # 2: numpy dtypes and scalars by their description, read with the allow-list
 _PREFIX = struct.Struct("<8sHHIQIIQ")  # magic, version, flags, header_len, total_len, key_len, n_buffers, pickle_len
 _ENTRY = struct.Struct("<QQ")
 _ALIGN = 64
@@ -42,23 +42,17 @@ UNSTORABLE = "Such items are computed without being stored. To cache them, keep 
 UNSTORABLE += "the data to the device after them, e.g. with EnsureTyped(keys, device=...)), or use runtime_cache=False."
 
 
-# what MONAI's items hold, beside the types of builtins that pickle writes as opcodes (dict, list, str, ...)
+# what MONAI's items hold, beside the types that pickle writes as opcodes (dict, list, str, ...), MONAI's enums and
+# tensor subclasses, and torch's dtypes; numpy's own reductions are left out: their dtype state can forge pointers
 _SAFE = {
     "builtins": {"complex", "range", "slice", "set", "frozenset", "bytearray", "bytes"},
     "collections": {"OrderedDict", "deque", "Counter"},
-    "numpy": {"dtype", "ndarray"},
-    "numpy.core.multiarray": {"_reconstruct", "scalar"},
-    "numpy._core.multiarray": {"_reconstruct", "scalar"},
+    "datetime": {"date", "datetime", "time", "timedelta", "timezone"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
     "torch": {"Size", "Tensor", "device"},
-    "torch._utils": {"_rebuild_sparse_tensor", "_rebuild_parameter"},
-    "torch.serialization": {"_get_layout"},
-    __name__: {"_rebuild_tensor", "_rebuild_ndarray"},
+    __name__: {"_rebuild_tensor", "_rebuild_ndarray", "_rebuild_scalar", "_rebuild_dtype"},
 }
-ALLOW = (
-    "Items hold only the types of MONAI, torch, numpy and the builtins, and those of "
-    "torch.serialization.add_safe_globals([YourType]), as PersistentDataset's weights_only=True reads them; or give "
-    "the store weights_only=False, if no one else could have written its directory."
-)
+ALLOW = "To allow a type: torch.serialization.add_safe_globals([YourType]), or the store's weights_only=False."
 
 
 class CorruptItemError(Exception):
@@ -70,21 +64,42 @@ class UnsafeTypeError(pickle.UnpicklingError):
 
 
 class _Unpickler(pickle.Unpickler):
-    """Only the types of ``_SAFE``, and of MONAI, torch and numpy, and ``add_safe_globals``: reading runs no code."""
+    """
+    Only the callables of ``_SAFE``, MONAI's enums and tensor types, torch's dtypes and those of ``add_safe_globals``:
+    reading imports no module and calls nothing else.
+    """
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _SAFE.get(module, ()):
             return super().find_class(module, name)
-        obj = getattr(sys.modules.get(module), name, None)  # never imported here: an import runs code
-        plain = (enum.Enum, torch.Tensor, np.dtype, np.generic)
-        if module.partition(".")[0] in ("monai", "torch", "numpy") and "." not in name:
-            if isinstance(obj, torch.dtype) or isinstance(obj, type) and issubclass(obj, plain):
-                return obj
+        loaded = sys.modules.get(module) if module.partition(".")[0] in ("monai", "torch") else None
+        obj = vars(loaded).get(name) if loaded is not None else None  # no module __getattr__: it may import
+        if isinstance(obj, torch.dtype) or isinstance(obj, type) and issubclass(obj, (enum.Enum, torch.Tensor)):
+            return obj
         for safe in torch.serialization.get_safe_globals():
             found, qualname = safe if isinstance(safe, tuple) else (safe, f"{safe.__module__}.{safe.__qualname__}")
             if qualname == f"{module}.{name}":
                 return found
         raise UnsafeTypeError(f"{module}.{name} is not among the types allowed in an item. {ALLOW}")
+
+
+def _numpy_dtype(spec: Any) -> np.dtype:
+    dtype = np.dtype(spec)  # numpy makes it, and its flags, from the description alone
+    if dtype.hasobject:  # its bytes would be read as pointers
+        raise UnsafeTypeError(f"a numpy array or scalar of objects ({dtype}) is not allowed in an item. {ALLOW}")
+    return dtype
+
+
+def _dtype_spec(dtype: np.dtype) -> Any:
+    return dtype.descr if dtype.fields is not None else dtype.str
+
+
+def _rebuild_dtype(spec: Any) -> np.dtype:
+    return _numpy_dtype(spec)
+
+
+def _rebuild_scalar(spec: Any, raw: bytes) -> Any:
+    return np.frombuffer(raw, dtype=_numpy_dtype(spec), count=1)[0]
 
 
 def loads(stream: Any, buffers: list, weights_only: bool) -> Any:
@@ -109,7 +124,8 @@ def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple, cls: type, st
     return t
 
 
-def _rebuild_ndarray(buffer: Any, dtype: np.dtype, shape: tuple, order: Any) -> np.ndarray:
+def _rebuild_ndarray(buffer: Any, spec: Any, shape: tuple, order: Any) -> np.ndarray:
+    dtype = _numpy_dtype(spec)
     if buffer is None:
         return np.empty(shape, dtype=dtype, order=order)
     return np.frombuffer(buffer, dtype=np.uint8).view(dtype).reshape(shape, order=order)
@@ -141,7 +157,11 @@ class _Pickler(pickle.Pickler):
             if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
                 arr = np.ascontiguousarray(arr)
             raw = pickle.PickleBuffer(cast(Any, arr.ravel(order="K").view(np.uint8))) if arr.size else None
-            return _rebuild_ndarray, (raw, arr.dtype, arr.shape, order)
+            return _rebuild_ndarray, (raw, _dtype_spec(arr.dtype), arr.shape, order)
+        if isinstance(obj, np.generic) and not obj.dtype.hasobject:
+            return _rebuild_scalar, (_dtype_spec(obj.dtype), obj.tobytes())
+        if isinstance(obj, np.dtype) and not obj.hasobject:
+            return _rebuild_dtype, (_dtype_spec(obj),)
         return NotImplemented
 
 

@@ -98,10 +98,11 @@ class SharedCacheStore:
             directory.
         reserve: bytes that this process keeps free on the store's file system; by default
             ``$MONAI_CACHE_RESERVE_BYTES``, else half the file system, at most 4 GiB.
-        weights_only: as ``PersistentDataset``'s: items are read with an allow-list (the types of MONAI, torch,
-            numpy, the builtins, and those of ``torch.serialization.add_safe_globals``), so reading runs no code, and
-            an item of another type is computed without being stored; ``False`` unpickles any type, which can run
-            code: only for a store whose directory no one else could have written.
+        weights_only: as ``PersistentDataset``'s: items are read with an allow-list of types (tensors, arrays and
+            scalars, MONAI's tensors and enums, plain builtins, and those of ``torch.serialization.add_safe_globals``),
+            so reading imports no module and calls nothing else, and an item of another type (an object array, a
+            ``Path`` of a class of yours) is computed without being stored; ``False`` unpickles any type, which can
+            run code: only for a store whose directory no one else could have written.
 
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows).
@@ -170,10 +171,12 @@ class SharedCacheStore:
             if err.errno is None:  # refused: the new directory was replaced, in a root that others can write
                 raise PermissionError(f"{err} It was made in {where}: use a directory of your own.") from None
             if given and err.errno not in _NO_ROOM:
-                raise type(err)(err.errno, f"SharedCacheStore: {where} cannot hold a store ({err}). {_ROOT}") from err
+                raise type(err)(
+                    err.errno, f"SharedCacheStore: {where} cannot hold a store ({err.strerror}). {_ROOT}"
+                ) from err
             self._setup(root if new is None else new.path, None)
             then = _MORE if err.errno in _NO_ROOM else f"{_ROOT} {_UNCACHED}"
-            self._warn_once(f"cannot make a store in {where}", err, then)
+            self._warn_once(f"cannot make a store in {where}", f"{type(err).__name__}: {err.strerror}", then)
             return
         self._setup(new.path, new)
         self._hold(held)

@@ -21,6 +21,7 @@ import collections
 import errno
 import gc
 import hashlib
+import io
 import json
 import multiprocessing
 import os
@@ -206,8 +207,13 @@ class StoreCase(unittest.TestCase):
 @skip_unless_store
 class TestRoundTrip(StoreCase):
     @parameterized.expand(ROUND_TRIP_CASES + TORCH_CASES + NUMPY_CASES)
-    def test_round_trip(self, _: str, make: Callable[[], Any]) -> None:
+    def test_round_trip(self, name: str, make: Callable[[], Any]) -> None:
         store = self.new_store()
+        if name == "ndarray_object":  # its elements are pickles of any type: only without the allow-list
+            with self.assertWarnsRegex(RuntimeWarning, "_reconstruct is not among the types allowed"):
+                self.assertFalse(store.put("key", make()))
+            store = SharedCacheStore(store.path, weights_only=False)
+            self.addCleanup(store.close)
         self.assertTrue(store.put("key", make()))
         out = store.get("key")
         _assert_same(self, make(), out)
@@ -467,6 +473,15 @@ class TestAllowList(StoreCase):
         self.assertEqual((copy.get("q").x, trusting.get("p")[0].x), (3, 2))
         self.assertIsNone(pickle.loads(pickle.dumps(store)).get("q"))
 
+    @parameterized.expand(["array", "scalar", "sparse", "import"])
+    def test_crafted_streams_are_refused(self, kind: str) -> None:
+        """
+        Forged numpy dtypes (whose object fields would read file bytes as pointers), unchecked sparse indices and a
+        module's ``__getattr__`` (which imports) are out of reach: each stream is refused in a child, which never
+        crashes nor imports what it names.
+        """
+        self.assertEqual(run_forked(_load_crafted, kind), 0)
+
     def test_what_monai_items_hold(self) -> None:
         store = self.new_store()
         meta = MetaTensor(torch.ones(2, 3), affine=torch.eye(4), meta={"filename_or_obj": "a.nii", "dim": np.int64(3)})
@@ -481,6 +496,37 @@ class TestAllowList(StoreCase):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             _assert_same(self, item, store.get("k"))
+
+
+class _Forged:
+    def __init__(self, *reduce: Any) -> None:
+        self.reduce = reduce
+
+    def __reduce__(self) -> tuple:
+        return self.reduce
+
+
+def _load_crafted(kind: str) -> None:
+    """Exit 0 if the crafted stream ``kind`` is refused without importing anything; a crash fails the test."""
+    state = (3, "|", None, ("a",), {"a": (np.dtype("O"), 0)}, 8, 1, 0)  # an object field, flags 0: no pointers, says
+    forged = _Forged(np.dtype, ("V8", False, True), state)
+    multiarray = np.core.multiarray if hasattr(np, "core") else np._core.multiarray
+    streams = {
+        "array": _Forged(multiarray._reconstruct, (np.ndarray, (0,), b"b"), (1, (1,), forged, False, b"A" * 8)),
+        "scalar": _Forged(multiarray.scalar, (forged, b"A" * 8)),
+        "sparse": torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1), (2,)),  # its indices go unchecked
+        "import": None,
+    }
+    stream = io.BytesIO()
+    fmt._Pickler(stream, protocol=5).dump(streams[kind])  # as the store writes (its tensors' bytes in band here)
+    raw = stream.getvalue() if kind != "import" else b"\x80\x04ctorch\n_inductor\n."
+    before = set(sys.modules)
+    try:
+        item = fmt.loads(raw, [], True)
+        item["a"][0] if kind in ("array", "scalar") else item.to_dense()  # a crash, were it loaded
+        os._exit(1)
+    except pickle.UnpicklingError:
+        os._exit(0 if set(sys.modules) == before else 2)
 
 
 def _warn_quietly(store: SharedCacheStore) -> None:
