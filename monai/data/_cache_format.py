@@ -50,7 +50,7 @@ _SAFE = {
     "datetime": {"date", "datetime", "time", "timedelta", "timezone"},
     "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
     "torch": {"Size", "Tensor", "device"},
-    __name__: {"_rebuild_tensor", "_rebuild_ndarray", "_rebuild_scalar", "_rebuild_dtype"},
+    __name__: {"_rebuild_tensor", "_rebuild_ndarray", "_rebuild_scalar", "_numpy_dtype"},
 }
 ALLOW = "To allow a type: torch.serialization.add_safe_globals([YourType]), or the store's weights_only=False."
 
@@ -92,10 +92,6 @@ def _numpy_dtype(spec: Any) -> np.dtype:
 
 def _dtype_spec(dtype: np.dtype) -> Any:
     return dtype.descr if dtype.fields is not None else dtype.str
-
-
-def _rebuild_dtype(spec: Any) -> np.dtype:
-    return _numpy_dtype(spec)
 
 
 def _rebuild_scalar(spec: Any, raw: bytes) -> Any:
@@ -161,7 +157,7 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, np.generic) and not obj.dtype.hasobject:
             return _rebuild_scalar, (_dtype_spec(obj.dtype), obj.tobytes())
         if isinstance(obj, np.dtype) and not obj.hasobject:
-            return _rebuild_dtype, (_dtype_spec(obj),)
+            return _numpy_dtype, (_dtype_spec(obj),)
         return NotImplemented
 
 
