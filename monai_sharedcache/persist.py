@@ -105,7 +105,10 @@ def resolve(path: str) -> tuple[str, tuple[int, int]]:
                 try:
                     new = os.open(name, nofollow, dir_fd=fd)
                 except FileNotFoundError:
-                    os.mkdir(name, 0o700, dir_fd=fd)
+                    try:
+                        os.mkdir(name, 0o700, dir_fd=fd)
+                    except FileExistsError:  # made meanwhile by another process: checked as any other
+                        pass
                     new = os.open(name, nofollow, dir_fd=fd)
                     os.fchmod(new, 0o700)  # whatever the umask
                 except OSError as err:

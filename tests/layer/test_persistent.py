@@ -367,6 +367,17 @@ class TestPersistentStore(DistTestCase):
         self.assertEqual(made.path, os.path.join(self.tmp, "otherproj", "new", "deeper"))
         self.assertEqual(stat.S_IMODE(os.stat(os.path.dirname(made.path)).st_mode), 0o700)
 
+    def test_directories_made_meanwhile_by_another_process(self):
+        real = os.mkdir
+
+        def raced(name, mode=0o777, *, dir_fd=None):
+            real(name, mode, dir_fd=dir_fd)  # another process made it first
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), name)
+
+        with mock.patch.object(os, "mkdir", raced):
+            store = self.open()
+        self.assertEqual((store.path, store.put("a", 1), store.get("a")), (self.path, True, 1))
+
     def test_path_with_dot_entries_is_refused_and_kept(self):
         path = os.path.join(self.tmp, "data")
         for sub in (".tmp", ".counters"):
