@@ -100,8 +100,8 @@ class SharedCacheStore:
             ``$MONAI_CACHE_RESERVE_BYTES``, else half the file system, at most 4 GiB.
         weights_only: as ``PersistentDataset``'s: items are read with an allow-list of types (tensors, arrays and
             scalars, MONAI's tensors and enums, plain builtins, and those of ``torch.serialization.add_safe_globals``),
-            so reading imports no module and calls nothing else, and an item of another type (an object array, a
-            ``Path`` of a class of yours) is computed without being stored; ``False`` unpickles any type, which can
+            so reading imports no module and calls nothing else, and an item of another type (an object array, an
+            instance of a class of yours) is computed without being stored; ``False`` unpickles any type, which can
             run code: only for a store whose directory no one else could have written.
 
     Raises:
