@@ -84,7 +84,7 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _numpy_dtype(spec: Any) -> np.dtype:
-    dtype = np.dtype(spec)  # numpy makes it, and its flags, from the description alone
+    dtype: np.dtype = np.dtype(spec)  # numpy makes it, and its flags, from the description alone
     if dtype.hasobject:  # its bytes would be read as pointers
         raise UnsafeTypeError(f"a numpy array or scalar of objects ({dtype}) is not allowed in an item. {ALLOW}")
     return dtype

@@ -51,7 +51,7 @@ def _attach(
     cls: Any, path: str, ident: tuple[int, int], reserve: int | None = None, safe: bool = True
 ) -> SharedCacheStore:
     """Unpickle a store without using it (in a DataLoader worker): its directory is opened and checked anew."""
-    store = cls.__new__(cls)
+    store: SharedCacheStore = cls.__new__(cls)
     store.reserve, store.weights_only = reserve, safe
     if ident == (0, 0):  # never made (no room): it stays so
         store._setup(path, None)
