@@ -196,6 +196,16 @@ QUICK = os.environ.get("QUICKTEST", "").lower() == "true"  # as MONAI's tests/te
 skip_if_quick = unittest.skipIf(QUICK, "a slow test: QUICKTEST=true")
 
 
+class Evil:
+    """Unpickled, it creates the file ``canary``: the code of whoever wrote the file ran."""
+
+    def __init__(self, canary: str) -> None:
+        self.canary = canary
+
+    def __reduce__(self) -> tuple:
+        return open, (self.canary, "w")
+
+
 def item_files(path: str) -> list[str]:
     """The names of the item files of the store ``path``."""
     return sorted(n for n in os.listdir(path) if n.endswith(".item"))

@@ -30,7 +30,7 @@ import tempfile
 import unittest
 
 import torch
-from fork_utils import TIMEOUT, skip_unless_store
+from fork_utils import TIMEOUT, Evil, skip_unless_store
 
 from monai.data import CacheDataset, DataLoader, SharedCacheStore
 from monai.data import _cache_format as fmt
@@ -56,16 +56,6 @@ def _attacker() -> tuple[int, int] | str:
 def _as_attacker(ids: tuple[int, int], script: str) -> None:
     cmd = ["setpriv", f"--reuid={ids[0]}", f"--regid={ids[1]}", "--clear-groups", "sh", "-ec", script]
     subprocess.run(cmd, check=True, timeout=TIMEOUT, capture_output=True)
-
-
-class Evil:
-    """Unpickled, it creates the file ``canary``: the attacker's code ran."""
-
-    def __init__(self, canary: str) -> None:
-        self.canary = canary
-
-    def __reduce__(self) -> tuple:
-        return open, (self.canary, "w")
 
 
 def double(x: dict) -> dict:

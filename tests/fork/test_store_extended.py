@@ -46,6 +46,7 @@ from fork_utils import (
     FORK,
     TIMEOUT,
     CountedLoad,
+    Evil,
     Load,
     RandAdd,
     Scale,
@@ -426,16 +427,6 @@ class Point:
 
     def __repr__(self) -> str:
         return f"Point({self.x})"
-
-
-class Evil:
-    """Unpickled, it creates the file ``canary``: code ran."""
-
-    def __init__(self, canary: str) -> None:
-        self.canary = canary
-
-    def __reduce__(self) -> tuple:
-        return open, (self.canary, "w")
 
 
 @skip_unless_store
