@@ -36,6 +36,7 @@ import secrets
 import threading
 import warnings
 import weakref
+import zlib
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
@@ -49,6 +50,8 @@ __all__ = ["SharedCacheStore", "create_shared_cache"]
 
 _NOTES = ".notes"  # the store's own directories: of the notes of its processes (add_note), and of
 _KEPT = ".kept"  # the records that a persistent store keeps across runs (keep)
+_TURNS = ".turns"  # a lock per stripe of keys, held by a put: writers of one key take turns
+_STRIPES = 64
 _NAME = re.compile(r"[0-9A-Za-z_-]{1,128}")
 _NO_ROOM = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", -1)}  # a file system without room, or a quota
 _OWN = (
@@ -62,6 +65,7 @@ _OWN = (
     counters.SLOTS_DIR,
     _NOTES,
     _KEPT,
+    _TURNS,
 )
 _MISS = object()
 
@@ -188,6 +192,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         self.durable = self._evictable = session is not None
         self._room = threading.local()  # the bytes that the current put of each thread reserved in the count
         self._writes_dir: Any = None
+        self._turns_dir: Any = None
         self._used = budget.Used(lambda: self.directory, self._recount, lambda: bool(self._writes().names()))
         ref = weakref.ref(self)  # not the store itself: its counts would keep it alive
         slots = lambda: cast(SharedCacheStore, ref()).subdir(counters.SLOTS_DIR)  # noqa: E731
@@ -334,22 +339,37 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         return counted
 
     def put(self, key: str, item: Any) -> bool:
+        name = self.file_stem(key) + ".item"
+        turn = self._turn(name)  # whether this write replaces another's is known only if they take turns
+        try:
+            return self._put(key, item, name)
+        finally:
+            if turn is not None:
+                turn.close()
+
+    def _turn(self, name: str) -> _flock.Held | None:
+        try:
+            if self._turns_dir is None:
+                self._turns_dir = self.subdir(_TURNS)
+            return _flock.hold(self._turns_dir, str(zlib.crc32(name.encode()) % _STRIPES), wait=60.0)
+        except OSError:  # gone, or no room for the lock file: the count may be off until it is made again
+            return None
+
+    def _put(self, key: str, item: Any, name: str) -> bool:
         room = self._room
         room.reserved, room.active, room.held, room.uncounted = 0, True, None, False
-        before = self._size(self.file_stem(key) + ".item")  # another process's copy of the item, if any
+        before = self._size(name)  # another process's copy of the item, if any: this write replaces it
         try:
             stored = super().put(key, item)
         finally:
             room.active = False
             if room.held is not None:  # published or not: no longer a write under way
-                at, name, held = room.held
-                _unlink(at, name)
+                at, held_name, held = room.held
+                _unlink(at, held_name)
                 held.close()
-        if stored and room.uncounted:
-            self._count(self._size(self.file_stem(key) + ".item"), 0 if before else 1)
-        elif stored and not before:  # its bytes were counted when they were reserved; a replaced item's stay counted
-            self._count(0, 1)  # until a recount: counted out before it is gone, it could let the store pass its cap
-        elif not stored:
+        if stored:  # its bytes were counted when they were reserved, unless the count failed then
+            self._count((self._size(name) if room.uncounted else 0) - before, 0 if before else 1)
+        else:
             self._count(-room.reserved)
             self._counters.add(counters.REFUSED)
         return stored

@@ -15,6 +15,7 @@ import functools
 import multiprocessing
 import os
 import struct
+import time
 import unittest
 import warnings
 from unittest import mock
@@ -45,6 +46,22 @@ def _writer(path: str, start, name: str) -> None:
         warnings.simplefilter("ignore")
         for i in range(6):
             store.put(f"{name}-{i}", np.full(2**17, float(i)))  # 1 MiB each
+    store.close()
+
+
+def _same_key_writer(path: str, start) -> None:
+    import monai.data._cache_format as fmt  # the core's writer, made slow
+
+    write = fmt.write_item
+
+    def slow(fd, chunks):
+        time.sleep(0.2)  # every writer has looked for an earlier copy before any publishes, unless they take turns
+        write(fd, chunks)
+
+    fmt.write_item = slow
+    store = SharedCacheStore(path)
+    start.wait(TIMEOUT)
+    assert store.put("same", np.ones(40_000))
     store.close()
 
 
@@ -101,6 +118,23 @@ class TestMaxBytes(unittest.TestCase):
         # 8 items of 1 MiB and their headers do not fit, 7 do; a recount while a write ends counts it twice, and may
         # refuse one that fits until the next recount
         self.assertIn(len(sizes), (6, 7))
+
+    def test_one_key_counted_once(self):
+        """8 processes write one key at once (as after a claim timeout): one item, and its bytes once, are counted."""
+        store = self.new_store(max_bytes=100 * ITEM, reserve=0)
+        ctx = multiprocessing.get_context("spawn")
+        start = ctx.Barrier(8)
+        procs = [ctx.Process(target=_same_key_writer, args=(store.path, start)) for _ in range(8)]
+        for p in procs:
+            p.start()
+            self.addCleanup(lambda p=p: (p.is_alive() and p.kill(), p.join(TIMEOUT)))
+        for p in procs:
+            p.join(TIMEOUT)
+        self.assertEqual([p.exitcode for p in procs], [0] * 8)
+        with open(os.path.join(store.path, budget.USED_FILE), "rb") as f:
+            used = struct.unpack("<qqq", f.read())[:2]
+        self.assertEqual(used, (os.path.getsize(os.path.join(store.path, "same.item")), 1))
+        self.assertEqual(store.stats()["filled"], 1)
 
     def test_recount_misses_no_write_that_ends_meanwhile(self):
         """A write published, and its file of a write under way removed, while the store counts: counted, not missed."""
