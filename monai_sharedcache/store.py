@@ -44,7 +44,7 @@ from monai.data import cache_store, shared_cache
 from monai_sharedcache import _flock
 from monai_sharedcache import _memory as memory
 from monai_sharedcache import _pool as pool
-from monai_sharedcache import budget, counters, persist
+from monai_sharedcache import budget, checksum, counters, persist
 
 __all__ = ["SharedCacheStore", "create_shared_cache"]
 
@@ -193,6 +193,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         self._room = threading.local()  # the bytes that the current put of each thread reserved in the count
         self._writes_dir: Any = None
         self._turns_dir: Any = None
+        self._sums, self._checked, self._damaged = True, set(), False  # checksums of a persistent store on a disk
         self._used = budget.Used(lambda: self.directory, self._recount, lambda: bool(self._writes().names()))
         ref = weakref.ref(self)  # not the store itself: its counts would keep it alive
         slots = lambda: cast(SharedCacheStore, ref()).subdir(counters.SLOTS_DIR)  # noqa: E731
@@ -289,11 +290,50 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         ident = (os.path.join(self.path, name), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         return pool.map_private(fd, st.st_size, ident)
 
-    def free_space(self) -> tuple[int, int] | None:
-        space = super().free_space()
+    def _in_memory(self) -> bool:
         if self._memory is None:  # decided once per process and store: a store does not move
             self._memory = memory.fs_type(self.path) in memory.MEMORY_FS
-        room = memory.cgroup_room() if self._memory else None
+        return self._memory
+
+    def sealed(self, fd: int) -> None:
+        """A persistent store on a disk records the checksum of an item file before it is published."""
+        if self._session is None or not self._sums or self._in_memory():
+            return
+        try:
+            checksum.seal(fd)
+        except OSError as err:
+            if err.errno not in checksum.UNSUPPORTED:
+                raise  # the item is not stored, as after any fault of a write
+            self._sums = False
+            self._fault_layer("cannot keep checksums with items on this file system: they are read unchecked", err)
+
+    def verified(self, fd: int, st: os.stat_result, view: memoryview) -> bool:
+        """
+        A persistent store on a disk checks the bytes of an item written by an earlier run at its first read in this
+        run; not those that this run wrote, nor those of a store in memory.
+        """
+        session = self._session
+        if session is None or st.st_mtime_ns >= session or self._in_memory():
+            return True
+        ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        if ident in self._checked:
+            return True
+        if checksum.check(fd, view, session) is False:
+            if not self._damaged:
+                self._damaged = True
+                warnings.warn(
+                    f"SharedCacheStore {self.path}: found items whose bytes are not those written (a damaged disk or "
+                    "file, or not written whole). They are removed, and computed anew.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return False
+        self._checked.add(ident)  # unknown (no attributes here): not asked again either
+        return True
+
+    def free_space(self) -> tuple[int, int] | None:
+        space = super().free_space()
+        room = memory.cgroup_room() if self._in_memory() else None
         if room is not None and (space is None or room[1] < space[0]):  # the container's memory is the shorter
             return room[1], room[0]
         return space
