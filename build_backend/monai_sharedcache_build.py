@@ -45,7 +45,8 @@ from pathlib import Path
 UPSTREAM_VERSION = "1.6.1"
 UPSTREAM_WHEEL = f"monai-{UPSTREAM_VERSION}-py3-none-any.whl"
 UPSTREAM_SHA256 = "dbd3b1dd309e752e0477ed73fde03b92f80ac74bfb8a8c4260f018b5d6ab2b0b"
-FORK_BUILD = 26
+FORK_BUILD = 27
+LAYER_REQUIRES = "xxhash>=3.0"
 VERSION = f"{UPSTREAM_VERSION}+sharedcache.{FORK_BUILD}"
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -342,7 +343,12 @@ def set_version(tree: Path) -> None:
     text = meta.read_text(encoding="utf-8")
     if f"\nVersion: {UPSTREAM_VERSION}\n" not in text:
         raise BuildError("METADATA: no 'Version:' line for the pinned upstream version")
-    meta.write_text(text.replace(f"\nVersion: {UPSTREAM_VERSION}\n", f"\nVersion: {VERSION}\n", 1), encoding="utf-8")
+    text = text.replace(f"\nVersion: {UPSTREAM_VERSION}\n", f"\nVersion: {VERSION}\n", 1)
+    if "\nRequires-Dist: torch" not in text:
+        raise BuildError("METADATA: no 'Requires-Dist: torch' line to put the layer's requirements after")
+    # the layer's checksums of items on a disk (monai_sharedcache.checksum); without it, CRC-32, slower
+    text = text.replace("\nRequires-Dist: torch", f"\nRequires-Dist: {LAYER_REQUIRES}\nRequires-Dist: torch", 1)
+    meta.write_text(text, encoding="utf-8")
     wheel_file = new_info / "WHEEL"
     lines = [
         "Generator: monai-sharedcache-build" if ln.startswith("Generator:") else ln
