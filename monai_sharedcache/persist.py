@@ -75,7 +75,15 @@ def prepare(path: str) -> tuple[str, tuple[int, int]]:
             f"temporary stores, got {path!r}."
         )
     real, ident = resolve(path)
-    SharedCacheStore.mark_kept(real)
+    try:
+        SharedCacheStore.mark_kept(real)
+    except PermissionError as err:  # e.g. a directory of mode 0500: the error alone names a file of the store's own
+        raise PermissionError(
+            err.errno,
+            f"SharedCacheStore: cannot make a persistent store in {real!r}, which this user cannot write "
+            f"({err.strerror}: {err.filename!r}). Give a directory of yours that you can write (mode 0700), or a "
+            "missing one, which is made.",
+        ) from err
     return real, ident
 
 

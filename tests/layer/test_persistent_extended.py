@@ -37,6 +37,7 @@ from fork_utils import (  # noqa: E402
     _unshare_works,
     backdate,
     item_files,
+    run_forked,
     skip_unless_store,
     wait_for,
 )
@@ -67,6 +68,7 @@ class AddOne(RandomizableTransform):
     def __call__(self, d):
         d["img"] += 1
         return d
+
 
 
 if __name__ == "__main__":
@@ -122,6 +124,21 @@ print("ok")
 
 
 @skip_unless_store
+def _open_read_only_directory(path: str, out: str) -> None:
+    """As an ordinary user (uid 65534, here root's child): open ``path`` (0500, theirs) as a persistent store."""
+    os.setgroups([])
+    os.setresgid(65534, 65534, 65534)
+    os.setresuid(65534, 65534, 65534)  # no capability left: the directory's mode holds
+    try:
+        SharedCacheStore(path, persistent=True)
+        message = "opened"
+    except PermissionError as err:
+        message = str(err)
+    fd = os.open(out, os.O_WRONLY)  # made by the parent, writable by the child
+    os.write(fd, message.encode())
+    os.close(fd)
+
+
 class TestPersistentRuns(unittest.TestCase):
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp()  # on the disk here: fsync, page cache
@@ -232,6 +249,21 @@ class TestPersistentRuns(unittest.TestCase):
         os.chown(os.path.join(self.path, ".budget"), 65534, 65534)  # a file of the store's own: the store is refused
         with self.assertRaisesRegex(PermissionError, "'.budget' in it is owned by uid 65534"):
             SharedCacheStore(self.path, persistent=True)
+
+    @unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0, "needs root, to act as another user")
+    def test_directory_that_its_user_cannot_write(self):
+        os.chmod(self.tmp, 0o755)
+        os.mkdir(self.path, 0o500)  # empty, the user's own, read-only
+        os.chown(self.path, 65534, 65534)
+        out = os.path.join(self.tmp, "out")
+        os.close(os.open(out, os.O_WRONLY | os.O_CREAT, 0o666))
+        os.chmod(out, 0o666)
+        self.assertEqual(run_forked(_open_read_only_directory, self.path, out), 0)
+        with open(out) as f:
+            message = f.read()
+        for part in (f"cannot make a persistent store in {self.path!r}", "this user cannot write", "mode 0700"):
+            self.assertIn(part, message)
+        self.assertEqual(os.listdir(self.path), [])  # nothing made
 
 
 if __name__ == "__main__":
