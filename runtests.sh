@@ -153,7 +153,7 @@ if [ -n "$upstream_ci" ]; then
 fi
 
 if [ -n "$upstream" ]; then
-    ensure_deps torch numpy pytest pytest_timeout parameterized nibabel
+    ensure_deps torch numpy pytest pytest_timeout parameterized nibabel xxhash
     layout
     [ -d "$upstream/tests/data" ] || { echo "no tests/data in $upstream: not a MONAI checkout" >&2; exit 2; }
     # what MONAI's dataset tests import beyond ours (CSV, LMDB, ignite), as the checkout's requirements-dev.txt pins it;
@@ -180,7 +180,7 @@ if [ -n "$upstream" ]; then
 fi
 
 if [ $unittests -eq 1 ]; then
-    ensure_deps torch numpy pytest pytest_timeout parameterized nibabel tqdm
+    ensure_deps torch numpy pytest pytest_timeout parameterized nibabel tqdm xxhash
     layout
     args=(-p no:cacheprovider --timeout=900)
     [ $quick -eq 1 ] && export QUICKTEST=True

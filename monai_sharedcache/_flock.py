@@ -18,8 +18,10 @@ A lock is held on a descriptor that a forked child closes at once, so a DataLoad
 from __future__ import annotations
 
 import os
+import secrets
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -83,3 +85,69 @@ def hold(at: Any, name: str, shared: bool = False, wait: float = 0.0) -> Held | 
         raise
     held.close()
     return None
+
+
+def pin(fd: int) -> int:
+    """
+    A new descriptor of the file ``fd``, with a shared lock on it: a mapping of the file that a process keeps pins it
+    (see :py:func:`retire`). -1 if a store is removing the file, or no descriptor can be had.
+    """
+    try:
+        pinned = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(pinned, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return pinned
+    except OSError:  # a store removes it: not pooled
+        os.close(pinned)
+        return -1
+
+
+def retire(at: Any, name: str, aside: Callable[[], Any]) -> int:
+    """
+    Remove the item file ``name`` of the checked directory ``at``: its size if its pages are free now, else 0. A file
+    that a kept mapping pins, in any process, is renamed into the directory ``aside()`` instead, where the store
+    counts it until :py:func:`free_aside` finds it released.
+
+    Raises:
+        OSError: it cannot be opened, removed or renamed (``FileNotFoundError``: it is gone).
+    """
+    fd = at.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until it is gone: no mapping is pooled meanwhile
+        except BlockingIOError:
+            d = aside()
+            os.rename(name, f"{name}-{secrets.token_hex(8)}", src_dir_fd=at.fd, dst_dir_fd=d.fd)
+            return 0
+        at.unlink(name)
+        return size
+    finally:
+        os.close(fd)
+
+
+def free_aside(d: Any) -> tuple[int, int]:
+    """
+    Remove the files that :py:func:`retire` moved into the directory ``d`` and that no mapping pins any more: the bytes
+    removed, and those still pinned.
+    """
+    freed = pinned = 0
+    for name in d.names():
+        try:
+            fd = d.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            d.unlink(name)
+            freed += size
+        except BlockingIOError:
+            pinned += size
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return freed, pinned

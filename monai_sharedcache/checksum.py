@@ -33,7 +33,7 @@ from typing import Any
 try:
     import xxhash
 except ImportError:  # the fork's wheel requires it; CRC-32 is slower, and as good at finding damaged bytes
-    xxhash = None
+    xxhash = None  # type: ignore[assignment]
 
 SUM, SEEN = "user.monai.sum", "user.monai.seen"
 # no extended attributes on this file system (or for this user): its items are read unchecked

@@ -34,6 +34,7 @@ import errno
 import os
 import stat
 import time
+from collections.abc import Callable
 from typing import Any
 
 from monai_sharedcache import _flock
@@ -77,8 +78,10 @@ def prepare(path: str) -> tuple[str, tuple[int, int]]:
     real, ident = resolve(path)
     try:
         SharedCacheStore.mark_kept(real)
-    except PermissionError as err:  # e.g. a directory of mode 0500: the error alone names a file of the store's own
-        raise PermissionError(
+    except PermissionError as err:
+        if err.errno is None:  # the store's refusal of a directory that is not private: it says why
+            raise
+        raise PermissionError(  # e.g. a directory of mode 0500: the error alone names a file of the store's own
             err.errno,
             f"SharedCacheStore: cannot make a persistent store in {real!r}, which this user cannot write "
             f"({err.strerror}: {err.filename!r}). Give a directory of yours that you can write (mode 0700), or a "
@@ -298,11 +301,12 @@ def items(at: Any) -> list[tuple[int, int, int, str]]:
     return found
 
 
-def evict(at: Any, start: int, excess: Any) -> tuple[int, int] | None:
+def evict(at: Any, start: int, excess: Any, remove: Callable[[str], int | None]) -> tuple[int, int] | None:
     """
-    Remove the least recently used items of earlier sessions until ``excess(items)`` bytes are gone (``items`` as
-    :py:func:`items` lists them); the bytes and the items removed, or ``None`` if no item of an earlier session is left
-    (none can appear during the session). Items used since ``start`` stay.
+    Remove the least recently used items of earlier sessions until ``excess(items)`` bytes are freed (``items`` as
+    :py:func:`items` lists them), each by ``remove(name)``, which gives the bytes that it freed (``None``: not
+    removed); the bytes freed and the items removed, or ``None`` if no item of an earlier session is left (none can
+    appear during the session). Items used since ``start`` stay.
     """
     held = _flock.hold(at, _EVICT, wait=_WAIT)
     if held is None:  # another process evicts for as long: let it
@@ -313,14 +317,12 @@ def evict(at: Any, start: int, excess: Any) -> tuple[int, int] | None:
         if not old:
             return None
         need, removed, gone = excess(found), 0, 0
-        for _, _, size, item in old:
+        for _, _, _, item in old:
             if removed >= need:
                 break
-            try:
-                at.unlink(item)
-                removed, gone = removed + size, gone + 1
-            except OSError:
-                pass
+            freed = remove(item)
+            if freed is not None:
+                removed, gone = removed + freed, gone + 1
         return removed, gone
     finally:
         held.close()

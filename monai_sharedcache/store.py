@@ -52,6 +52,7 @@ _NOTES = ".notes"  # the store's own directories: of the notes of its processes 
 _KEPT = ".kept"  # the records that a persistent store keeps across runs (keep)
 _TURNS = ".turns"  # a lock per stripe of keys, held by a put: writers of one key take turns
 _STRIPES = 64
+_ASIDE = ".aside"  # removed items that a mapping kept by some process still pins: counted until it is released
 _NAME = re.compile(r"[0-9A-Za-z_-]{1,128}")
 _NO_ROOM = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", -1)}  # a file system without room, or a quota
 _OWN = (
@@ -66,6 +67,7 @@ _OWN = (
     _NOTES,
     _KEPT,
     _TURNS,
+    _ASIDE,
 )
 _MISS = object()
 
@@ -193,7 +195,8 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         self._room = threading.local()  # the bytes that the current put of each thread reserved in the count
         self._writes_dir: Any = None
         self._turns_dir: Any = None
-        self._sums, self._checked, self._damaged = True, set(), False  # checksums of a persistent store on a disk
+        self._sums, self._damaged = True, False  # checksums of a persistent store on a disk, and its files checked
+        self._checked: set[tuple[int, int, int, int]] = set()
         self._used = budget.Used(lambda: self.directory, self._recount, lambda: bool(self._writes().names()))
         ref = weakref.ref(self)  # not the store itself: its counts would keep it alive
         slots = lambda: cast(SharedCacheStore, ref()).subdir(counters.SLOTS_DIR)  # noqa: E731
@@ -426,7 +429,9 @@ class SharedCacheStore(cache_store.SharedCacheStore):
 
             def evict() -> tuple[int, int]:
                 evicted.append(
-                    persist.evict(self.directory, cast(int, self._session), lambda f: self._excess(f, nbytes))
+                    persist.evict(
+                        self.directory, cast(int, self._session), lambda f: self._excess(f, nbytes), self._retire
+                    )
                 )
                 return evicted[0] or (0, 0)
 
@@ -513,37 +518,55 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         # the items after the writes: a write that ends in between (published, then its file unlinked) is counted
         # twice, never missed
         found = persist.items(self.directory)
-        return nbytes + sum(f[2] for f in found), len(found)
+        return nbytes + sum(f[2] for f in found) + self._free_aside()[1], len(found)
+
+    def _free_aside(self) -> tuple[int, int]:
+        """The bytes of removed items freed now that no mapping pins them, and those still pinned."""
+        try:
+            return _flock.free_aside(self.subdir(_ASIDE)) if _exists(self.directory, _ASIDE) else (0, 0)
+        except OSError:
+            return 0, 0
+
+    def _retire(self, name: str) -> int | None:
+        """Remove the item file ``name``: the bytes freed (0 while a mapping pins it), ``None`` if it was not there."""
+        try:
+            return _flock.retire(self.directory, name, lambda: self.subdir(_ASIDE))
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            self._fault_layer("cannot remove items", err)
+            return None
 
     def discard(self, keys: Iterable[str]) -> None:
         keys = list(keys)
+        if not keys or self._at() is None:
+            return
+        self._purge()  # this process's kept mappings first: they would pin the items' pages
 
         def remove() -> tuple[int, int]:
-            sizes = [self._size(self.file_stem(key) + ".item") for key in keys]
-            super(SharedCacheStore, self).discard(keys)
-            gone = [size for key, size in zip(keys, sizes) if size and not self._size(self.file_stem(key) + ".item")]
-            return sum(gone), len(gone)
+            freed, gone = self._free_aside()[0], 0
+            for key in keys:
+                size = self._retire(self.file_stem(key) + ".item")
+                if size is not None:
+                    freed, gone = freed + size, gone + 1
+            return freed, gone
 
         self._locked(remove)
-        if keys:  # kept mappings of removed items would pin their pages
-            self._purge()
 
     def clear(self) -> None:
         """Remove every item of the store, of any dataset or run; processes that use it go on, and miss."""
 
         def remove() -> tuple[int, int]:
-            removed = gone = 0
-            for _, _, size, name in persist.items(self.directory):
-                try:
-                    self.directory.unlink(name)
-                    removed, gone = removed + size, gone + 1
-                except OSError:
-                    pass
-            return removed, gone
+            freed, gone = self._free_aside()[0], 0
+            for _, _, _, name in persist.items(self.directory):
+                size = self._retire(name)
+                if size is not None:
+                    freed, gone = freed + size, gone + 1
+            return freed, gone
 
+        self._purge()
         if self._at() is not None:
             self._locked(remove)
-        self._purge()
 
     def _locked(self, remove: Callable[[], tuple[int, int]]) -> None:
         """``remove()`` items under the count's lock, and count them out; without a count, remove them all the same."""

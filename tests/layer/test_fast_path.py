@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ import monai
 from monai.data import SharedCacheStore
 from monai_sharedcache import _pages as cache_pages
 from monai_sharedcache import _pool as cache_pool
+from monai_sharedcache import budget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fork"))
 from fork_utils import mapped_files  # noqa: E402
@@ -107,6 +109,23 @@ def _read_after_fork(store: SharedCacheStore) -> None:
             raise AssertionError("wrong item")
         del t
         gc.collect()  # releases the mapping into this process's pool
+
+
+def _keep_then_release(store: SharedCacheStore, kept, release, released) -> None:
+    """In another process: read an item, keep its mapping in the pool (a pin), and release it when told."""
+    t = store.get("k")
+    assert int(t[-1]) == 299_999
+    del t
+    gc.collect()
+    kept.set()
+    release.wait(TIMEOUT)
+    cache_pool.POOL.purge(os.path.join(store.path, ""))  # as its next read after a second, or its close, would
+    released.set()
+
+
+def _used(path: str) -> tuple[int, int]:
+    with open(os.path.join(path, budget.USED_FILE), "rb") as f:
+        return struct.unpack("<qqq", f.read())[:2]
 
 
 @unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
@@ -282,6 +301,29 @@ class TestMappingPool(unittest.TestCase):
         gc.collect()
         self.assertFalse(os.path.isdir(path))
         self.assertEqual(_maps_of(path), [])
+
+    @unittest.skipIf(FORK is None, "needs fork")
+    def test_a_mapping_kept_elsewhere_counts_until_released(self):
+        """Another process keeps a mapping of an item that is removed: its bytes stay counted until it is released."""
+        self.pool_everything()
+        store = self.new_store(max_bytes=2**30, reserve=0)
+        self.assertTrue(store.put("k", torch.arange(300_000)))
+        size = os.path.getsize(os.path.join(store.path, "k.item"))
+        kept, release, released = FORK.Event(), FORK.Event(), FORK.Event()
+        proc = FORK.Process(target=_keep_then_release, args=(store, kept, release, released))
+        proc.start()
+        self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
+        self.assertTrue(kept.wait(TIMEOUT))
+        store.discard(["k"])  # as set_data, refresh or an eviction would
+        self.assertIsNone(store.get("k"))
+        self.assertEqual(_used(store.path), (size, 0))  # gone from the store, its pages still held
+        self.assertEqual(len(os.listdir(os.path.join(store.path, ".aside"))), 1)
+        release.set()
+        self.assertTrue(released.wait(TIMEOUT))
+        proc.join(TIMEOUT)
+        self.assertEqual(proc.exitcode, 0)
+        store.clear()  # any removal, or a recount, frees what no mapping pins any more
+        self.assertEqual((_used(store.path), os.listdir(os.path.join(store.path, ".aside"))), ((0, 0), []))
 
     @parameterized.expand([("off", "0", False), ("on", "1", True)])
     def test_environment_turns_it_off(self, _, value, enabled):
