@@ -220,6 +220,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         try:
             if first:  # no other run uses the store: a new session, with the budget given
                 self._clean_own_temps()
+                self._locked(lambda: (self._free_aside()[0], 0))  # what the mappings of processes gone pinned
                 old = budget.recorded(at) if _exists(at, budget.BUDGET_FILE) else None
                 if old is None:
                     max_bytes = env_max if max_bytes is None else max_bytes
