@@ -87,21 +87,17 @@ def hold(at: Any, name: str, shared: bool = False, wait: float = 0.0) -> Held | 
     return None
 
 
-def pin(fd: int) -> int:
+def pin(fd: int) -> bool:
     """
-    A new descriptor of the file ``fd``, with a shared lock on it: a mapping of the file that a process keeps pins it
-    (see :py:func:`retire`). -1 if a store is removing the file, or no descriptor can be had.
+    Pin the file open at ``fd``, about to be mapped, with a shared lock: a lock belongs to the open file, which a
+    mapping holds, so it lasts until the last mapping of it and the last descriptor are gone, in every process that
+    has them (a forked child too). ``False`` if a store is removing the file, or has removed it.
     """
     try:
-        pinned = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return os.fstat(fd).st_nlink > 0  # removed between its opening and the lock: counted out already
     except OSError:
-        return -1
-    try:
-        fcntl.flock(pinned, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return pinned
-    except OSError:  # a store removes it: not pooled
-        os.close(pinned)
-        return -1
+        return False
 
 
 def retire(at: Any, name: str, aside: Callable[[], Any]) -> int:

@@ -84,9 +84,9 @@ class _MappingPool:
     still gets a private, pristine copy. The pool is per process and bounded. Kept mappings of files removed or
     replaced since are dropped at a release (checked at most once a second: a ``stat`` per kept mapping), and at
     once when their store is closed or invalidated in this process, so that they do not pin the removed files' pages.
-    Until then, a pooled mapping holds a shared ``flock`` on its file (a descriptor of its own, its "pin"): the store
-    that removes an item whose file is pinned moves it aside (:py:func:`monai_sharedcache._flock.retire`) and counts
-    its bytes until no process pins it, as an idle process can keep a mapping for long.
+    Until then, a pooled mapping pins its file with a shared ``flock``, which the mapping itself holds (see
+    :py:func:`monai_sharedcache._flock.pin`): the store that removes a pinned item moves it aside and counts its bytes
+    until no process pins it, as an idle process can keep a mapping for long.
 
     Releases come from ``__del__``, which the garbage collector may run anywhere, even inside this pool's own
     critical section: they are only queued (a thread-safe ``deque``), and whoever gets the lock without waiting
@@ -99,33 +99,30 @@ class _MappingPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: dict[tuple, list[tuple[int, int, int, int]]] = {}  # (addr, size, state, pin)
-        self._order: list[tuple[tuple, int, int, int, int]] = []  # oldest first, for eviction
-        self._queue: deque = deque()  # ("release", libc, ident, addr, size, state, pin) or ("purge", path prefix)
+        self._free: dict[tuple, list[tuple[int, int, int]]] = {}  # (addr, size, state)
+        self._order: list[tuple[tuple, int, int, int]] = []  # oldest first, for eviction
+        self._queue: deque = deque()  # ("release", libc, ident, addr, size, state) or ("purge", path prefix)
         self._swept = 0.0
         self._libc: Any = None
 
-    def take(self, ident: tuple) -> tuple[int, int, int] | None:
-        """
-        A kept mapping of the file ``ident``, its state (see :py:func:`monai_sharedcache._pages.keep`) and its pin, or
-        None.
-        """
+    def take(self, ident: tuple) -> tuple[int, int] | None:
+        """A kept mapping of the file ``ident`` and its state (see :py:func:`monai_sharedcache._pages.keep`), or None."""
         with self._lock:  # never called from a finalizer; a finalizer run in here only queues
             free = self._free.get(ident)
             found = None
             if free:
-                addr, size, state, pin = free.pop()
+                addr, size, state = free.pop()
                 if not free:
                     del self._free[ident]
-                self._order.remove((ident, addr, size, state, pin))
-                found = addr, state, pin
+                self._order.remove((ident, addr, size, state))
+                found = addr, state
         self.drain()
         return found
 
-    def release(self, libc: Any, ident: tuple | None, addr: int, size: int, state: int, pin: int) -> None:
+    def release(self, libc: Any, ident: tuple | None, addr: int, size: int, state: int) -> None:
         """Keep an unwritten mapping of a file that still exists for reuse; unmap anything else. Never blocks."""
         self._libc = libc
-        self._queue.append(("release", libc, ident, addr, size, state, pin))
+        self._queue.append(("release", libc, ident, addr, size, state))
         self.drain()
 
     def purge(self, prefix: str) -> None:
@@ -144,15 +141,15 @@ class _MappingPool:
                 self._lock.release()
 
     def _process(self, job: tuple) -> None:
-        unmap: list[tuple[int, int, int]] = []
+        unmap: list[tuple[int, int]] = []
         if job[0] == "release":
-            _, libc, ident, addr, size, state, pin = job
+            _, libc, ident, addr, size, state = job
             state = pages.keep(libc, addr, size, state) if ident is not None and _is_current(ident) else pages.UNMAP
             if state == pages.UNMAP:
-                unmap.append((addr, size, pin))
+                unmap.append((addr, size))
             else:
-                self._free.setdefault(ident, []).append((addr, size, state, pin))
-                self._order.append((ident, addr, size, state, pin))
+                self._free.setdefault(ident, []).append((addr, size, state))
+                self._order.append((ident, addr, size, state))
             stale = []
             if time.monotonic() - self._swept >= self.SWEEP_EVERY:  # a stat per kept mapping: not at every release
                 self._swept = time.monotonic()
@@ -168,12 +165,10 @@ class _MappingPool:
                 free.remove(entry[1:])
                 if not free:
                     del self._free[entry[0]]
-                unmap.append((entry[1], entry[2], entry[4]))
+                unmap.append(entry[1:3])
         self._order = keep
-        for addr, size, pin in unmap:
+        for addr, size in unmap:
             self._libc.munmap(addr, size)
-            if pin >= 0:  # after the unmap: the file is not pinned while a page of it is mapped here
-                os.close(pin)
 
     def after_fork_in_child(self) -> None:
         """
@@ -183,8 +178,6 @@ class _MappingPool:
         own private copies of them, which it leaves mapped: unmapping after a torn update could unmap a mapping
         in use) and takes a new lock.
         """
-        for entry in self._order:  # the parent's pins: their locks are the parent's, held by its own descriptors
-            os.close(entry[4])
         self._lock = threading.Lock()
         self._free = {}
         self._order = []
@@ -222,14 +215,13 @@ def _is_current(ident: tuple) -> bool:
 class _PrivateMapping:
     """Owner of a ``MAP_PRIVATE`` file mapping made through libc; recycled or unmapped when its last view is gone."""
 
-    def __init__(self, libc: Any, addr: int, size: int, ident: tuple | None, state: int, pin: int) -> None:
+    def __init__(self, libc: Any, addr: int, size: int, ident: tuple | None, state: int) -> None:
         self._libc, self._addr, self._size, self._ident, self._state = libc, addr, size, ident, state
-        self._pin = pin
         self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (addr, False), "version": 3}
 
     def __del__(self) -> None:
         try:
-            POOL.release(self._libc, self._ident, self._addr, self._size, self._state, self._pin)
+            POOL.release(self._libc, self._ident, self._addr, self._size, self._state)
         except Exception:
             pass
 
@@ -245,15 +237,12 @@ def map_private(fd: int, size: int, ident: tuple | None = None) -> memoryview:
         ident = None  # not pooled: unmapped with its last view
     found = POOL.take(ident) if ident is not None else None
     if found is None:
-        pin = _flock.pin(fd) if ident is not None else -1
-        if pin < 0:
-            ident = None
+        if ident is not None and not _flock.pin(fd):
+            ident = None  # being removed: not pooled
         prot = mmap.PROT_READ | mmap.PROT_WRITE  # type: ignore[attr-defined]
         addr = libc.mmap(None, size, prot, mmap.MAP_PRIVATE, fd, 0)  # type: ignore[attr-defined]
         if addr is None or addr == ctypes.c_void_p(-1).value:
             err = ctypes.get_errno()
-            if pin >= 0:
-                os.close(pin)
             raise OSError(err, os.strerror(err))
-        found = addr, 0, pin
-    return memoryview(cast(Any, np.asarray(_PrivateMapping(libc, found[0], size, ident, found[1], found[2]))))
+        found = addr, 0
+    return memoryview(cast(Any, np.asarray(_PrivateMapping(libc, found[0], size, ident, found[1]))))

@@ -38,6 +38,7 @@ except ImportError:  # the fork's wheel requires it; CRC-32 is slower, and as go
 SUM, SEEN = "user.monai.sum", "user.monai.seen"
 # no extended attributes on this file system (or for this user): its items are read unchecked
 UNSUPPORTED = {errno.ENOTSUP, getattr(errno, "EOPNOTSUPP", errno.ENOTSUP)}
+_ATTRIBUTES = hasattr(os, "setxattr")  # Linux: not macOS, where the store works too
 
 
 def digest(algorithm: bytes, data: Any) -> bytes | None:
@@ -56,6 +57,8 @@ def seal(fd: int) -> None:
     Raises:
         OSError: the attribute cannot be set (``ENOTSUP``: this file system has none).
     """
+    if not _ATTRIBUTES:
+        raise OSError(errno.ENOTSUP, "this platform has no extended attributes")
     algorithm = b"xxh3" if xxhash is not None else b"crc32"
     size = os.fstat(fd).st_size
     if size:
@@ -72,6 +75,8 @@ def check(fd: int, view: Any, session: int) -> bool | None:
     session ``session`` already; ``None`` if it cannot be known here (no attributes, or an algorithm that this process
     lacks). A file without its digest was not written whole by a store that seals: ``False``.
     """
+    if not _ATTRIBUTES:
+        return None
     try:
         if os.getxattr(fd, SEEN) == b"%d" % session:
             return True

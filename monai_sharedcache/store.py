@@ -50,8 +50,8 @@ __all__ = ["SharedCacheStore", "create_shared_cache"]
 
 _NOTES = ".notes"  # the store's own directories: of the notes of its processes (add_note), and of
 _KEPT = ".kept"  # the records that a persistent store keeps across runs (keep)
-_TURNS = ".turns"  # a lock per stripe of keys, held by a put: writers of one key take turns
-_STRIPES = 64
+_TURNS = ".turns"  # a lock per stripe of item files: their writers and removers take turns
+_STRIPES = 128  # few enough that a removal of many items holds them all at once, under `ulimit -n 1024`
 _ASIDE = ".aside"  # removed items that a mapping kept by some process still pins: counted until it is released
 _NAME = re.compile(r"[0-9A-Za-z_-]{1,128}")
 _NO_ROOM = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", -1)}  # a file system without room, or a quota
@@ -194,7 +194,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         self.durable = self._evictable = session is not None
         self._room = threading.local()  # the bytes that the current put of each thread reserved in the count
         self._writes_dir: Any = None
-        self._turns_dir: Any = None
+        self._turns_dir: Any = None  # opened once per store object
         self._sums, self._damaged = True, False  # checksums of a persistent store on a disk, and its files checked
         self._checked: set[tuple[int, int, int, int]] = set()
         self._used = budget.Used(lambda: self.directory, self._recount, lambda: bool(self._writes().names()))
@@ -384,20 +384,30 @@ class SharedCacheStore(cache_store.SharedCacheStore):
 
     def put(self, key: str, item: Any) -> bool:
         name = self.file_stem(key) + ".item"
-        turn = self._turn(name)  # whether this write replaces another's is known only if they take turns
+        turns = self._turns([name])  # whether this write replaces a copy is known only if writers take turns
         try:
             return self._put(key, item, name)
         finally:
-            if turn is not None:
+            for turn in turns:
                 turn.close()
 
-    def _turn(self, name: str) -> _flock.Held | None:
+    def _turns(self, names: Iterable[str], wait: float = 60.0) -> list[_flock.Held]:
+        """
+        The turns of the item files ``names`` (the locks of their stripes, taken in order, before the count's lock):
+        each writer and remover of an item counts what it found there. Those not had in ``wait`` seconds, or at all
+        (the store is gone, no descriptor is left), are left: the count may then be off until it is made again.
+        """
+        held: list[_flock.Held] = []
         try:
             if self._turns_dir is None:
                 self._turns_dir = self.subdir(_TURNS)
-            return _flock.hold(self._turns_dir, str(zlib.crc32(name.encode()) % _STRIPES), wait=60.0)
-        except OSError:  # gone, or no room for the lock file: the count may be off until it is made again
-            return None
+            for stripe in sorted({zlib.crc32(name.encode()) % _STRIPES for name in names}):
+                turn = _flock.hold(self._turns_dir, str(stripe), wait=wait)
+                if turn is not None:
+                    held.append(turn)
+        except OSError:
+            pass
+        return held
 
     def _put(self, key: str, item: Any, name: str) -> bool:
         room = self._room
@@ -429,12 +439,13 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             evicted: list = []
 
             def evict() -> tuple[int, int]:
+                freed = self._free_aside()[0]
                 evicted.append(
                     persist.evict(
-                        self.directory, cast(int, self._session), lambda f: self._excess(f, nbytes), self._retire
+                        self.directory, cast(int, self._session), lambda f: self._excess(f, nbytes), self._evict_one
                     )
                 )
-                return evicted[0] or (0, 0)
+                return freed + (evicted[0] or (0, 0))[0], (evicted[0] or (0, 0))[1]
 
             self._locked(evict)
             self._evictable = bool(evicted) and evicted[0] is not None
@@ -528,6 +539,16 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         except OSError:
             return 0, 0
 
+    def _evict_one(self, name: str) -> int | None:
+        """Remove the item file ``name`` for room, unless a writer of its stripe is at work (this put, maybe)."""
+        turns = self._turns([name], wait=0.0)  # without waiting: this thread holds the count's lock
+        if not turns:
+            return None
+        try:
+            return self._retire(name)
+        finally:
+            turns[0].close()
+
     def _retire(self, name: str) -> int | None:
         """Remove the item file ``name``: the bytes freed (0 while a mapping pins it), ``None`` if it was not there."""
         try:
@@ -539,35 +560,35 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             return None
 
     def discard(self, keys: Iterable[str]) -> None:
-        keys = list(keys)
-        if not keys or self._at() is None:
-            return
-        self._purge()  # this process's kept mappings first: they would pin the items' pages
+        names = [self.file_stem(key) + ".item" for key in keys]
+        if names and self._at() is not None:
+            self._purge()  # this process's kept mappings first: they would pin the items' pages
+            self._remove(names)
+
+    def _remove(self, names: list[str]) -> None:
+        """Remove the item files ``names``, in their turns, and count them out."""
 
         def remove() -> tuple[int, int]:
             freed, gone = self._free_aside()[0], 0
-            for key in keys:
-                size = self._retire(self.file_stem(key) + ".item")
-                if size is not None:
-                    freed, gone = freed + size, gone + 1
-            return freed, gone
-
-        self._locked(remove)
-
-    def clear(self) -> None:
-        """Remove every item of the store, of any dataset or run; processes that use it go on, and miss."""
-
-        def remove() -> tuple[int, int]:
-            freed, gone = self._free_aside()[0], 0
-            for _, _, _, name in persist.items(self.directory):
+            for name in names:
                 size = self._retire(name)
                 if size is not None:
                     freed, gone = freed + size, gone + 1
             return freed, gone
 
+        turns = self._turns(names)
+        try:
+            self._locked(remove)
+        finally:
+            for turn in turns:
+                turn.close()
+
+    def clear(self) -> None:
+        """Remove every item of the store, of any dataset or run; processes that use it go on, and miss."""
+
         self._purge()
         if self._at() is not None:
-            self._locked(remove)
+            self._remove([name for _, _, _, name in persist.items(self.directory)])
 
     def _locked(self, remove: Callable[[], tuple[int, int]]) -> None:
         """``remove()`` items under the count's lock, and count them out; without a count, remove them all the same."""

@@ -168,12 +168,20 @@ class TestChecksums(unittest.TestCase):
             self.assertEqual(self.run_once(compute)[0][1][5], 6.0)
         self.assertEqual(compute.calls, 3)
 
-    def test_file_system_without_attributes(self):
+    @parameterized.expand([("file_system", True), ("platform", False)])
+    def test_without_attributes(self, _, has_calls):
+        """A file system without user extended attributes, or a platform without the calls (macOS)."""
+
         def unsupported(*args):
             raise OSError(errno.ENOTSUP, "not supported")
 
         compute = Count(self.log)
-        with mock.patch.object(os, "setxattr", unsupported), mock.patch.object(os, "getxattr", unsupported):
+        patches = (
+            (mock.patch.object(os, "setxattr", unsupported), mock.patch.object(os, "getxattr", unsupported))
+            if has_calls
+            else (mock.patch.object(checksum, "_ATTRIBUTES", False), mock.patch.object(os, "getxattr", unsupported))
+        )
+        with patches[0], patches[1]:
             warned = self.run_once(compute)[1]
             self.assertEqual(len([w for w in warned if "checksums" in w]), 1)  # once, and the items are kept
             self.assertEqual(len(_item_files(self.path)), 2)

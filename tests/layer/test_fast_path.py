@@ -32,6 +32,7 @@ from parameterized import parameterized
 
 import monai
 from monai.data import SharedCacheStore
+from monai_sharedcache import _flock
 from monai_sharedcache import _pages as cache_pages
 from monai_sharedcache import _pool as cache_pool
 from monai_sharedcache import budget
@@ -324,6 +325,15 @@ class TestMappingPool(unittest.TestCase):
         self.assertEqual(proc.exitcode, 0)
         store.clear()  # any removal, or a recount, frees what no mapping pins any more
         self.assertEqual((_used(store.path), os.listdir(os.path.join(store.path, ".aside"))), ((0, 0), []))
+
+    def test_a_file_removed_is_not_pinned(self):
+        path = os.path.join(self.root, "f")
+        with open(path, "wb") as f:
+            f.write(b"x")
+        fd = os.open(path, os.O_RDONLY)
+        self.addCleanup(os.close, fd)
+        os.unlink(path)  # by a store, between this reader's open and its pin: counted out already
+        self.assertFalse(_flock.pin(fd))
 
     @parameterized.expand([("off", "0", False), ("on", "1", True)])
     def test_environment_turns_it_off(self, _, value, enabled):

@@ -65,6 +65,22 @@ def _same_key_writer(path: str, start) -> None:
     store.close()
 
 
+def _slow_replacing_writer(path: str, writing) -> None:
+    import monai.data._cache_format as fmt
+
+    write = fmt.write_item
+
+    def slow(fd, chunks):
+        writing.set()
+        time.sleep(0.5)  # the other process removes the item meanwhile, unless it waits for this write's turn
+        write(fd, chunks)
+
+    fmt.write_item = slow
+    store = SharedCacheStore(path)
+    assert store.put("same", np.zeros(40_000))
+    store.close()
+
+
 def _killed_writer(path: str) -> None:
     import monai.data._cache_format as fmt  # the core's writer, made to die half way
 
@@ -135,6 +151,24 @@ class TestMaxBytes(unittest.TestCase):
             used = struct.unpack("<qqq", f.read())[:2]
         self.assertEqual(used, (os.path.getsize(os.path.join(store.path, "same.item")), 1))
         self.assertEqual(store.stats()["filled"], 1)
+
+    def test_removal_during_a_write_of_its_key(self):
+        """A key removed while another process writes it anew: the count stays what the store holds."""
+        store = self.new_store(max_bytes=100 * ITEM, reserve=0)
+        self.assertTrue(store.put("same", np.ones(40_000)))
+        ctx = multiprocessing.get_context("spawn")
+        writing = ctx.Event()
+        proc = ctx.Process(target=_slow_replacing_writer, args=(store.path, writing))
+        proc.start()
+        self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
+        self.assertTrue(writing.wait(TIMEOUT))
+        store.discard(["same"])  # after the write, in its turn
+        proc.join(TIMEOUT)
+        self.assertEqual(proc.exitcode, 0)
+        with open(os.path.join(store.path, budget.USED_FILE), "rb") as f:
+            used = struct.unpack("<qqq", f.read())[:2]
+        sizes = [os.path.getsize(os.path.join(store.path, n)) for n in self.items(store)]
+        self.assertEqual(used, (sum(sizes), len(sizes)))
 
     def test_recount_misses_no_write_that_ends_meanwhile(self):
         """A write published, and its file of a write under way removed, while the store counts: counted, not missed."""

@@ -123,7 +123,6 @@ print("ok")
 """
 
 
-@skip_unless_store
 def _open_read_only_directory(path: str, out: str) -> None:
     """As an ordinary user (uid 65534, here root's child): open ``path`` (0500, theirs) as a persistent store."""
     os.setgroups([])
@@ -139,6 +138,7 @@ def _open_read_only_directory(path: str, out: str) -> None:
     os.close(fd)
 
 
+@skip_unless_store
 class TestPersistentRuns(unittest.TestCase):
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp()  # on the disk here: fsync, page cache
