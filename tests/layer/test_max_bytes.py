@@ -101,6 +101,21 @@ class TestMaxBytes(unittest.TestCase):
     def items(self, store: SharedCacheStore) -> list[str]:
         return [n for n in os.listdir(store.path) if n.endswith(".item")]
 
+    def start(self, *procs: multiprocessing.process.BaseProcess) -> None:
+        for p in procs:
+            p.start()
+            self.addCleanup(lambda p=p: (p.is_alive() and p.kill(), p.join(TIMEOUT)))
+
+    def finish(self, *procs: multiprocessing.process.BaseProcess) -> None:
+        for p in procs:
+            p.join(TIMEOUT)
+        self.assertEqual([p.exitcode for p in procs], [0] * len(procs))
+
+    def used(self, store: SharedCacheStore) -> tuple[int, int]:
+        """The bytes and the items that the store counts."""
+        with open(os.path.join(store.path, budget.USED_FILE), "rb") as f:
+            return struct.unpack("<qqq", f.read())[:2]
+
     def test_cap_refuses_past_max_bytes(self):
         store = self.new_store(max_bytes=3 * ITEM + 3 * 4096, reserve=0)
         with warnings.catch_warnings(record=True) as caught:
@@ -113,22 +128,17 @@ class TestMaxBytes(unittest.TestCase):
         for option in ("max_bytes", "--shm-size", "--ipc=host", "MONAI_CACHE_ROOT"):
             self.assertIn(option, message)
         proc = multiprocessing.get_context().Process(target=_refused_elsewhere, args=(store.path,))
-        proc.start()
-        self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
-        proc.join(TIMEOUT)
-        self.assertEqual((proc.exitcode, len(self.items(store))), (0, 3))
+        self.start(proc)
+        self.finish(proc)
+        self.assertEqual(len(self.items(store)), 3)
 
     def test_cap_holds_for_all_writers(self):
         store = self.new_store(max_bytes=8 * 2**20, reserve=0)
         ctx = multiprocessing.get_context("spawn")
         start = ctx.Barrier(4)
         procs = [ctx.Process(target=_writer, args=(store.path, start, f"w{i}")) for i in range(4)]
-        for p in procs:
-            p.start()
-            self.addCleanup(lambda p=p: (p.is_alive() and p.kill(), p.join(TIMEOUT)))
-        for p in procs:
-            p.join(TIMEOUT)
-        self.assertEqual([p.exitcode for p in procs], [0] * 4)
+        self.start(*procs)
+        self.finish(*procs)
         sizes = [os.path.getsize(os.path.join(store.path, n)) for n in self.items(store)]
         self.assertLessEqual(sum(sizes), 8 * 2**20)  # 24 MiB offered by 4 processes
         # 8 items of 1 MiB and their headers do not fit, 7 do; a recount while a write ends counts it twice, and may
@@ -141,15 +151,9 @@ class TestMaxBytes(unittest.TestCase):
         ctx = multiprocessing.get_context("spawn")
         start = ctx.Barrier(8)
         procs = [ctx.Process(target=_same_key_writer, args=(store.path, start)) for _ in range(8)]
-        for p in procs:
-            p.start()
-            self.addCleanup(lambda p=p: (p.is_alive() and p.kill(), p.join(TIMEOUT)))
-        for p in procs:
-            p.join(TIMEOUT)
-        self.assertEqual([p.exitcode for p in procs], [0] * 8)
-        with open(os.path.join(store.path, budget.USED_FILE), "rb") as f:
-            used = struct.unpack("<qqq", f.read())[:2]
-        self.assertEqual(used, (os.path.getsize(os.path.join(store.path, "same.item")), 1))
+        self.start(*procs)
+        self.finish(*procs)
+        self.assertEqual(self.used(store), (os.path.getsize(os.path.join(store.path, "same.item")), 1))
         self.assertEqual(store.stats()["filled"], 1)
 
     def test_removal_during_a_write_of_its_key(self):
@@ -159,16 +163,12 @@ class TestMaxBytes(unittest.TestCase):
         ctx = multiprocessing.get_context("spawn")
         writing = ctx.Event()
         proc = ctx.Process(target=_slow_replacing_writer, args=(store.path, writing))
-        proc.start()
-        self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
+        self.start(proc)
         self.assertTrue(writing.wait(TIMEOUT))
         store.discard(["same"])  # after the write, in its turn
-        proc.join(TIMEOUT)
-        self.assertEqual(proc.exitcode, 0)
-        with open(os.path.join(store.path, budget.USED_FILE), "rb") as f:
-            used = struct.unpack("<qqq", f.read())[:2]
+        self.finish(proc)
         sizes = [os.path.getsize(os.path.join(store.path, n)) for n in self.items(store)]
-        self.assertEqual(used, (sum(sizes), len(sizes)))
+        self.assertEqual(self.used(store), (sum(sizes), len(sizes)))
 
     def test_recount_misses_no_write_that_ends_meanwhile(self):
         """A write published, and its file of a write under way removed, while the store counts: counted, not missed."""
@@ -196,8 +196,7 @@ class TestMaxBytes(unittest.TestCase):
         self.assertIn("max_bytes", self.refuse(store, np.ones(40_000)))
         store.discard(["a"])
         proc = multiprocessing.get_context("spawn").Process(target=_killed_writer, args=(store.path,))
-        proc.start()
-        self.addCleanup(lambda: (proc.is_alive() and proc.kill(), proc.join(TIMEOUT)))
+        self.start(proc)
         proc.join(TIMEOUT)
         self.assertEqual(proc.exitcode, 9)  # died while writing: its bytes stay counted
         (dead,) = os.listdir(os.path.join(store.path, ".tmp"))
@@ -215,8 +214,7 @@ class TestMaxBytes(unittest.TestCase):
         with mock.patch.object(used, "recount", wraps=used.recount) as recount:
             self.assertTrue(store.put("b", np.ones(40_000)))  # refused by the count, which is made again: room
             sizes = [os.path.getsize(os.path.join(store.path, n)) for n in self.items(store)]
-            with open(os.path.join(store.path, budget.USED_FILE), "rb") as f:
-                self.assertEqual((struct.unpack("<qqq", f.read())[:2], recount.call_count), ((sum(sizes), 2), 1))
+            self.assertEqual((self.used(store), recount.call_count), ((sum(sizes), 2), 1))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 refused = [store.put(key, np.ones(40_000)) for key in "cde"]
