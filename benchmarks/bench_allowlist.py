@@ -19,7 +19,6 @@ hit in one process, each first in every other round; the medians and their ratio
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -27,19 +26,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from bench_common import hit, inputs, transforms  # noqa: E402
+from bench_common import hit, inputs, standalone, transforms  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--small", action="store_true")
-    parser.add_argument("--reps", type=int, default=25)
-    args = parser.parse_args()
-    torch.set_num_threads(1)  # as in DataLoader workers
+    args, shape, roi = standalone(__doc__.splitlines()[1], 25)
     from monai.data import CacheDataset, SharedCacheStore
 
-    shape, roi = ([96, 96, 64], [48, 48, 48]) if args.small else ([240, 240, 155], [96, 96, 96])
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "output", "data")
     tr, _ = transforms(roi, False)
     data = inputs({"data_dir": out, "shape": shape}, 1)

@@ -24,7 +24,6 @@ What the checksums of a persistent store on a disk cost (``PYTHONPATH=build/tree
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import mmap
 import os
@@ -36,8 +35,7 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from bench_common import hit, inputs, transforms  # noqa: E402
+from bench_common import hit, inputs, standalone, transforms  # noqa: E402
 
 
 def _algorithms(path: str, reps: int) -> None:
@@ -61,17 +59,12 @@ def _algorithms(path: str, reps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--small", action="store_true")
-    parser.add_argument("--reps", type=int, default=15)
-    args = parser.parse_args()
-    torch.set_num_threads(1)  # as in DataLoader workers
+    args, shape, roi = standalone(__doc__.splitlines()[1], 15)
     from monai.data import CacheDataset, SharedCacheStore, cache_store
 
     class Unchecked(SharedCacheStore):
         verified = cache_store.SharedCacheStore.verified  # the core's: no check
 
-    shape, roi = ([96, 96, 64], [48, 48, 48]) if args.small else ([240, 240, 155], [96, 96, 96])
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "output")
     tr, _ = transforms(roi, False)
     data = inputs({"data_dir": os.path.join(here, "data"), "shape": shape}, 1)

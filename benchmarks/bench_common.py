@@ -16,6 +16,7 @@ import torch and monai lazily: the driver needs neither.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import hashlib
 import os
@@ -123,6 +124,22 @@ TARGETS = {
     "pss_ratio": 1.15,  # footprint of main + 2 workers with the store <= 1.15x one copy of the data
     "small_flat": 1.5,  # 20,000 small items: median hit of the last 1,000 <= 1.5x that of the first 1,000
 }
+
+
+def standalone(description: str, reps: int) -> tuple[argparse.Namespace, list[int], list[int]]:
+    """
+    The options of a standalone benchmark of the item of ``bench_cache.py`` (``--small``, ``--reps``), and the item's
+    shape and crop; torch on one thread, as in DataLoader workers.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--reps", type=int, default=reps)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    shape, roi = ([96, 96, 64], [48, 48, 48]) if args.small else ([240, 240, 155], [96, 96, 96])
+    return args, shape, roi
 
 
 def median(values: Sequence[float]) -> float:
