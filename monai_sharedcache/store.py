@@ -272,6 +272,9 @@ class SharedCacheStore(cache_store.SharedCacheStore):
                     held.close()
 
     def _fault_layer(self, what: str, err: OSError) -> None:
+        token = object()  # once per store, process and fault (a removal of many items may fail for each)
+        if self.__dict__.setdefault("_layer_warned", {}).setdefault((os.getpid(), what), token) is not token:
+            return
         warnings.warn(
             f"SharedCacheStore {self.path}: {what} ({type(err).__name__}: {err}).", RuntimeWarning, stacklevel=3
         )

@@ -69,6 +69,22 @@ class TestLayerStore(DistTestCase):
         self.addCleanup(store.close)
         self.assertIs(type(store), SharedCacheStore)
 
+    def test_a_removal_that_fails_warns_once(self):
+        store = SharedCacheStore(root=self.root, reserve=0)
+        self.addCleanup(store.close)
+        for i in range(5):
+            self.assertTrue(store.put(f"k{i}", i))
+
+        def read_only(*args: Any) -> None:
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        with mock.patch.object(monai_sharedcache._flock, "retire", read_only):
+            with self.assertWarns(RuntimeWarning) as caught:
+                store.discard([f"k{i}" for i in range(5)])
+        self.assertEqual(len(caught.warnings), 1)
+        self.assertIn("cannot remove items", str(caught.warning))
+        self.assertEqual([store.get(f"k{i}") for i in range(5)], list(range(5)))  # nothing lost
+
     def test_workers_read_through_the_pool(self):
         """DataLoader workers receive the layer's store, read big items right, and the pool takes their mappings."""
         store = SharedCacheStore(root=self.root)
