@@ -109,19 +109,12 @@ def retire(at: Any, name: str, aside: Callable[[], Any]) -> int:
     Raises:
         OSError: it cannot be opened, removed or renamed (``FileNotFoundError``: it is gone).
     """
-    fd = at.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until it is gone: no mapping is pooled meanwhile
-        except BlockingIOError:
-            d = aside()
-            os.rename(name, f"{name}-{secrets.token_hex(8)}", src_dir_fd=at.fd, dst_dir_fd=d.fd)
-            return 0
-        at.unlink(name)
+    size, removed = _remove_unpinned(at, name)
+    if removed:
         return size
-    finally:
-        os.close(fd)
+    d = aside()  # held while its descriptor is used: a directory's descriptor is closed with it
+    os.rename(name, f"{name}-{secrets.token_hex(8)}", src_dir_fd=at.fd, dst_dir_fd=d.fd)
+    return 0
 
 
 def free_aside(d: Any) -> tuple[int, int]:
@@ -132,18 +125,23 @@ def free_aside(d: Any) -> tuple[int, int]:
     freed = pinned = 0
     for name in d.names():
         try:
-            fd = d.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            size, removed = _remove_unpinned(d, name)
         except OSError:
             continue
-        try:
-            size = os.fstat(fd).st_size
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            d.unlink(name)
-            freed += size
-        except BlockingIOError:
-            pinned += size
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        freed, pinned = (freed + size, pinned) if removed else (freed, pinned + size)
     return freed, pinned
+
+
+def _remove_unpinned(at: Any, name: str) -> tuple[int, bool]:
+    """The size of the file ``name`` of ``at``, and whether it was removed: not while a mapping pins it."""
+    fd = at.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until it is gone: no mapping is pooled meanwhile
+        except BlockingIOError:
+            return size, False
+        at.unlink(name)
+        return size, True
+    finally:
+        os.close(fd)
