@@ -195,7 +195,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         self._room = threading.local()  # the bytes that the current put of each thread reserved in the count
         self._writes_dir: Any = None
         self._turns_dir: Any = None  # opened once per store object
-        self._sums, self._damaged = True, False  # checksums of a persistent store on a disk, and its files checked
+        self._sums = True  # checksums of a persistent store on a disk, and the files that this process checked
         self._checked: set[tuple[int, int, int, int]] = set()
         self._used = budget.Used(lambda: self.directory, self._recount, lambda: bool(self._writes().names()))
         ref = weakref.ref(self)  # not the store itself: its counts would keep it alive
@@ -272,12 +272,13 @@ class SharedCacheStore(cache_store.SharedCacheStore):
                     held.close()
 
     def _fault_layer(self, what: str, err: OSError) -> None:
+        self._warn_layer(what, f"{what} ({type(err).__name__}: {err}).")
+
+    def _warn_layer(self, what: str, message: str) -> None:
         token = object()  # once per store, process and fault (a removal of many items may fail for each)
         if self.__dict__.setdefault("_layer_warned", {}).setdefault((os.getpid(), what), token) is not token:
             return
-        warnings.warn(
-            f"SharedCacheStore {self.path}: {what} ({type(err).__name__}: {err}).", RuntimeWarning, stacklevel=3
-        )
+        warnings.warn(f"SharedCacheStore {self.path}: {message}", RuntimeWarning, stacklevel=4)
 
     @property
     def persistent(self) -> bool:
@@ -326,14 +327,10 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         if ident in self._checked:
             return True
         if checksum.check(fd, view, session) is False:
-            if not self._damaged:
-                self._damaged = True
-                warnings.warn(
-                    f"SharedCacheStore {self.path}: found items whose bytes are not those written (a damaged disk or "
-                    "file, or not written whole). They are removed, and computed anew.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+            what = "found items whose bytes are not those written"
+            self._warn_layer(
+                what, f"{what} (a damaged disk or file, or not written whole). They are removed, and computed anew."
+            )
             return False
         self._checked.add(ident)  # unknown (no attributes here): not asked again either
         return True
@@ -443,12 +440,12 @@ class SharedCacheStore(cache_store.SharedCacheStore):
 
             def evict() -> tuple[int, int]:
                 freed = self._free_aside()[0]
-                evicted.append(
-                    persist.evict(
-                        self.directory, cast(int, self._session), lambda f: self._excess(f, nbytes), self._evict_one
-                    )
+                found = persist.evict(
+                    self.directory, cast(int, self._session), lambda f: self._excess(f, nbytes), self._evict_one
                 )
-                return freed + (evicted[0] or (0, 0))[0], (evicted[0] or (0, 0))[1]
+                evicted.append(found)
+                removed, gone = found or (0, 0)
+                return freed + removed, gone
 
             self._locked(evict)
             self._evictable = bool(evicted) and evicted[0] is not None
