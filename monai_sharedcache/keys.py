@@ -56,7 +56,10 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache, partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
+
+import numpy as np
+import torch
 
 from monai.data.utils import pickle_hashing
 
@@ -154,6 +157,18 @@ def _top_version(top: str) -> str | None:
         return f"{top} " + ",".join(f"{n} {metadata.version(n)}" for n in sorted(names))
     except metadata.PackageNotFoundError:
         return f"{top} {getattr(mod, '__version__', '')}"
+
+
+def _found(module: str, qualname: str) -> Any:
+    """What ``module.qualname`` names among the loaded modules (importing nothing), or ``None``."""
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):  # a module's own names: its __getattr__ may import
+        obj = vars(obj).get(part) if isinstance(obj, types.ModuleType) else getattr(obj, part, None)
+    return obj
+
+
+def _first(pair: tuple) -> str:
+    return str(pair[0])
 
 
 def _qualname(cls: type) -> str:
@@ -256,10 +271,12 @@ class _KeyPickler(pickle.Pickler):
         shared = _shared_value(obj)
         if shared is not None:
             return shared
+        if isinstance(obj, types.MappingProxyType):  # a dataclass field's metadata, a class's __dict__
+            return ("mapping", dict(obj))
         if isinstance(obj, types.ModuleType):
             self._library(obj.__name__)
             return ("module", obj.__name__)
-        if isinstance(obj, (type, types.FunctionType, types.CodeType)) or type(obj).__name__ in ("ndarray", "Tensor"):
+        if isinstance(obj, (type, types.FunctionType, types.CodeType, torch.Tensor, np.ndarray)):
             return None
         reduce = copyreg.dispatch_table.get(type(obj))  # as pickle looks it up (numpy's ufuncs, say)
         try:
@@ -270,6 +287,8 @@ class _KeyPickler(pickle.Pickler):
         return None
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            return tuple, (self._array(obj),)
         if isinstance(obj, types.CodeType):
             parts = (obj.co_code, obj.co_consts, obj.co_names, obj.co_argcount, obj.co_kwonlyargcount, obj.co_flags)
             return tuple, (("code", *parts),)
@@ -281,6 +300,25 @@ class _KeyPickler(pickle.Pickler):
             return tuple, (("wrapped", type(obj).__qualname__, obj.__wrapped__),)
         return NotImplemented
 
+    def _array(self, obj: Any) -> tuple:
+        """A tensor or array by its type, dtype, shape, device and a digest of its bytes: pickle would write the
+        address of a tensor's storage, another in every interpreter."""
+        if isinstance(obj, np.ndarray) and obj.dtype.hasobject:  # its elements, each as any other object
+            return "object array", type(obj), obj.shape, obj.tolist()
+        try:
+            if isinstance(obj, np.ndarray):
+                data = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+                kind: tuple = ("array", obj.dtype.descr, obj.shape)
+            else:
+                flat = obj.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+                data = flat.view(torch.uint8).numpy()
+                kind = ("tensor", str(obj.dtype), tuple(obj.shape), str(obj.device))
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:  # sparse, quantized, on meta
+            self.context.private.append(f"a tensor whose bytes cannot be read ({type(err).__name__}: {err})")
+            return "private", _qualname(type(obj)), id(obj)
+        state = getattr(obj, "__dict__", None) or {}  # a MetaTensor's meta and applied operations
+        return (*kind, type(obj), hashlib.sha256(cast(Any, data)).digest(), sorted(state.items(), key=_first))
+
     def _library(self, module: str) -> bool:
         if library_version(module) is None:
             return False
@@ -290,8 +328,10 @@ class _KeyPickler(pickle.Pickler):
     def _by_code(self, obj: Any, parts: Callable[[Any], tuple]) -> Any:
         module, qualname = getattr(obj, "__module__", None) or "", obj.__qualname__
         module = "__main__" if module in _MAIN else module
-        if self._library(module) and "<" not in qualname:
-            return NotImplemented  # by reference: its name, and its distribution's version
+        if self._library(module) and "<" not in qualname:  # its name, and its distribution's version
+            # by pickle's reference where its name finds it; a namedtuple's methods, numpy's dispatched functions
+            # and the like are not found under their names: the same name and version, as a tuple
+            return NotImplemented if _found(module, qualname) is obj else (tuple, (("library", module, qualname),))
         key, context = id(obj), self.context
         if key in context.active:  # a function that calls itself, a method that makes its own class
             return tuple, (("cycle", module, qualname),)
@@ -317,17 +357,35 @@ def transforms_fingerprint(transforms: Sequence[Any]) -> Fingerprint:
         the digest, a digest per transform (to tell which differs), and the members that made the digest private to
         this process; a pipeline that cannot be pickled at all is private, with a fresh digest, and names why.
     """
-    context = _Context()
-    try:
-        parts = [context.digest((type(t), t)).hex() for t in transforms]
-    except Exception as err:  # a failing __getstate__, say
-        why = f"the transforms cannot be pickled ({type(err).__name__}: {err})"
-        return Fingerprint(uuid.uuid4().hex + uuid.uuid4().hex, (), (why,))
+    context, parts, private = _Context(), [], []
+    for t in transforms:
+        before = len(context.private)
+        try:
+            parts.append(context.digest((type(t), t)).hex())
+        except Exception as err:  # a failing __getstate__, say
+            why = f"{_member(t)}, which cannot be pickled ({type(err).__name__}: {err})"
+            return Fingerprint(uuid.uuid4().hex + uuid.uuid4().hex, (), (why,))
+        private += [f"{_member(t)}: {what}" for what in context.private[before:]]
     libraries = sorted((top, library_version(top) or "") for top in context.libraries)
     digest = hashlib.sha256(pickle.dumps((parts, libraries), protocol=4))
-    if context.private:
+    if private:
         digest.update(_PROCESS_SALT)
-    return Fingerprint(digest.hexdigest(), tuple(parts), tuple(dict.fromkeys(context.private)))
+    return Fingerprint(digest.hexdigest(), tuple(parts), tuple(dict.fromkeys(private)))
+
+
+def _member(transform: Any) -> str:
+    """Which member of ``transform`` (one level down) cannot be counted the same in every process, in words."""
+    where = f"{type(transform).__qualname__}" if not isinstance(transform, Mapping) else "the Compose options"
+    members = transform if isinstance(transform, Mapping) else getattr(transform, "__dict__", None) or {}
+    for name, value in members.items():
+        context = _Context()
+        try:
+            context.digest(value)
+        except Exception:
+            return f"{where}.{name}"
+        if context.private:
+            return f"{where}.{name}"
+    return where
 
 
 def member_digests(obj: Any) -> dict[str, str]:
@@ -433,15 +491,45 @@ def _stamp(name: str, content: Callable[[str, os.stat_result], bytes] | None) ->
         st = os.stat(name)
     except (OSError, ValueError):  # no such file, a name too long, a NUL: not a file name
         return None
-    if not stat.S_ISREG(st.st_mode):  # a directory (a label may name one), a device: plain data, never walked
-        return None
     path = os.path.abspath(name)
-    if content is None:
-        return ("file", path, _stat_data(st))
+    if stat.S_ISDIR(st.st_mode):  # a reader that loads a directory (a DICOM series) reads the files in it
+        return _stamp_directory(path, content)
+    if not stat.S_ISREG(st.st_mode):  # a device, a pipe: plain data
+        return None
     try:
-        return ("file", path, content(path, st))
+        return ("file", path, _stat_data(st) if content is None else content(path, st))
     except OSError as err:  # unreadable: a stamp of no content, never the same twice
         return ("unreadable", path, type(err).__name__, uuid.uuid4().bytes)
+
+
+def _stamp_directory(path: str, content: Callable[[str, os.stat_result], bytes] | None) -> tuple:
+    """A directory by its entries, one level deep: each file as :py:func:`_stamp` has it, anything else by its
+    stat data (by its name alone for ``content``, whose keys outlive the stat data)."""
+    entries = []
+    try:
+        with os.scandir(path) as found:
+            for entry in found:
+                st = entry.stat()
+                if stat.S_ISREG(st.st_mode):
+                    full = os.path.join(path, entry.name)
+                    entries.append((entry.name, _stat_data(st) if content is None else content(full, st)))
+                else:
+                    entries.append((entry.name, stat.S_IFMT(st.st_mode), () if content else _stat_data(st)))
+    except OSError as err:  # unreadable, or changed while listed: a stamp never the same twice
+        return ("unreadable", path, type(err).__name__, uuid.uuid4().bytes)
+    return ("directory", path, sorted(entries))
+
+
+def _canonical(value: Any) -> Any:
+    """A tensor or array by its dtype, shape and the digest of its bytes (pickle writes an address in a tensor's)."""
+    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+        raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+        return ("array", value.dtype.descr, value.shape, hashlib.sha256(cast(Any, raw)).digest())
+    if isinstance(value, torch.Tensor) and value.layout is torch.strided and not value.is_quantized:
+        raw = value.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        meta = sorted((getattr(value, "__dict__", None) or {}).items(), key=_first)  # a MetaTensor's meta
+        return ("tensor", str(value.dtype), tuple(value.shape), hashlib.sha256(raw).digest(), stamp_files(meta))
+    return value
 
 
 def stamp_files(
@@ -450,12 +538,14 @@ def stamp_files(
     """
     ``entry`` (nested dicts, lists and tuples) with each string or path-like that names an existing regular file
     replaced by ``("file", absolute path, stat data)`` (device, inode, size, modification and change times, as git's
-    index keeps them), and everything else as it is: a directory is plain data, never walked, and no byte is read.
+    index keeps them), each that names a directory by the names and stamps of its entries, one level deep (a reader
+    of a DICOM series reads the files in it), each tensor and array by its dtype, shape and a digest of its bytes,
+    and everything else as it is. No byte of a file is read.
 
     Args:
         entry: a data entry, for example ``{"image": "img.nii.gz", "label": "seg.nii.gz", "id": 3}``.
         memo: the stamp of each name already stamped, kept between calls (a name is stat'ed once while it is kept).
-        content: if given, the stamp is ``content(path, stat)`` instead (a digest of the content, for keys that
+        content: if given, a file's stamp is ``content(path, stat)`` instead (a digest of the content, for keys that
             outlive the stat data: see :py:func:`kept_digests`).
 
     Returns:
@@ -471,7 +561,7 @@ def stamp_files(
         return {k: stamp_files(v, memo, content) for k, v in entry.items()}
     if isinstance(entry, (list, tuple)):
         return type(entry)(stamp_files(v, memo, content) for v in entry) if type(entry) in (list, tuple) else entry
-    return entry
+    return _canonical(entry)
 
 
 def transforms_hashing(transforms: Sequence) -> bytes | None:
@@ -496,10 +586,10 @@ def fingerprint_of(cached: Sequence[Any], stacklevel: int = 2) -> Fingerprint:
     fingerprint = transforms_fingerprint(cached)
     if fingerprint.private:
         warnings.warn(
-            f"CacheDataset: the cached transforms hold {fingerprint.private[0]}, which pickle cannot store, so "
-            "their items are neither shared with other processes nor kept across runs. Make it picklable (a "
-            "__getstate__ that leaves it out, if it cannot change an item), or pass hash_transform= with a "
-            "fingerprint of your own.",
+            f"CacheDataset: the cached transforms cannot have the same key in every process, because of "
+            f"{fingerprint.private[0]}. So their items are neither shared with other processes nor kept across runs. "
+            "Make that member picklable (or leave it out of __getstate__, if it cannot change an item), or pass "
+            "hash_transform= with a fingerprint of your own.",
             stacklevel=stacklevel + 1,
         )
     return fingerprint

@@ -273,25 +273,32 @@ class TestFileStamps(unittest.TestCase):
         return path
 
     def test_keys_read_no_file_until_an_item_is_needed(self):
-        """The constructor and set_data stat nothing; an item's files are stat'ed once, when it is first needed."""
+        """
+        The constructor and set_data stat and list nothing; an item's files, and the entries of a directory that it
+        names (one level), are stat'ed once, when it is first needed.
+        """
         paths = [self.save(f"img{i}.npy", float(i)) for i in range(3)]
-        os.makedirs(os.path.join(self.tmp, "train", "sub"))  # a label that happens to name a directory: plain data
+        os.makedirs(os.path.join(self.tmp, "train", "sub"))  # a directory that the entries name
         data = [{"img": p, "site": "train", "id": "no such file"} for p in paths]
         os.chdir(self.tmp)
         load = Load(os.path.join(self.tmp, "log"))
-        with mock.patch("os.stat", wraps=os.stat) as stats, mock.patch("os.scandir", side_effect=AssertionError):
+        with mock.patch("os.stat", wraps=os.stat) as stats, mock.patch("os.scandir", wraps=os.scandir) as lists:
             ds = CacheDataset(data, Compose([Lambda(lambda d: d["img"]), load]), runtime_cache=[], progress=False)
             ds.set_data(data)
             stat_of = lambda: [c.args[0] for c in stats.call_args_list if c.args[0] in {*paths, "train"}]  # noqa
-            self.assertEqual(stat_of(), [])
+            self.assertEqual((stat_of(), lists.call_count), ([], 0))
             self.assertEqual([float(ds[1][0]), float(ds[1][0])], [1.0, 1.0])
             self.assertEqual(sorted(stat_of()), sorted([paths[1], "train"]))  # once: memoized
+            self.assertEqual([c.args[0] for c in lists.call_args_list], [os.path.join(self.tmp, "train")])
             st = os.stat(paths[0])
         stamp = ("file", paths[0], (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-        self.assertEqual(stamp_files(data[0]), {**data[0], "img": stamp})  # the others are plain data
-        open(os.path.join(self.tmp, "train", "sub", "x"), "w").close()  # in the directory a label names: no new key
+        self.assertEqual(stamp_files(data[0])["img"], stamp)
+        self.assertEqual(stamp_files(data[0])["id"], "no such file")  # plain data
         ds.set_data(data)
         self.assertEqual(([float(ds[i][0]) for i in range(3)], load.calls), ([0.0, 1.0, 2.0], 3))
+        open(os.path.join(self.tmp, "train", "x"), "w").close()  # in the directory that each entry names
+        ds.set_data(data)
+        self.assertEqual(([float(ds[i][0]) for i in range(3)], load.calls), ([0.0, 1.0, 2.0], 6))
 
     @parameterized.expand([("list", []), ("thread", "thread")])
     def test_same_relative_name_in_two_directories(self, _, cache):
