@@ -28,8 +28,12 @@ so a file rewritten in place, or the same relative name in another directory, ke
   ``multiprocessing`` shared value by the content it held when first keyed in the process, so processes still share
   and a count that moves churns no key. Any other member
   that pickle cannot store makes the fingerprint private to its process (``Fingerprint.private`` names it).
+- :py:func:`transforms_fingerprint` counts library code by its name and version, also where pickle could not find it
+  by its name (a namedtuple's or a dataclass's methods, ``np.clip`` in a ``partial``), and a tensor or array by its
+  dtype, shape and bytes: pickle writes the address of a tensor's storage, another in every interpreter.
 - :py:func:`stamp_files` replaces, in a data entry, each string or path that names an existing regular file by its
-  absolute path and stat data, as git's index keeps it: one ``stat`` per name, no byte read, no directory walked.
+  absolute path and stat data, as git's index keeps it: one ``stat`` per name, no byte read; a directory by its
+  entries, one level deep (a DICOM series), when the item is first needed.
   For a key kept across runs, :py:func:`kept_digests` stamps a file by a digest of its content instead, kept with its
   stat data in a persistent store, so that a later run reads only the files whose stat data changed
   (:py:func:`file_digest`; a file modified less than ``RACY_SECONDS`` before it was hashed is hashed again).
@@ -310,10 +314,12 @@ class _KeyPickler(pickle.Pickler):
                 data = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
                 kind: tuple = ("array", obj.dtype.descr, obj.shape)
             else:
-                flat = obj.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+                flat = (
+                    obj.as_subclass(torch.Tensor).detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+                )
                 data = flat.view(torch.uint8).numpy()
                 kind = ("tensor", str(obj.dtype), tuple(obj.shape), str(obj.device))
-        except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:  # sparse, quantized, on meta
+        except (RuntimeError, TypeError, ValueError) as err:  # sparse, quantized, on meta
             self.context.private.append(f"a tensor whose bytes cannot be read ({type(err).__name__}: {err})")
             return "private", _qualname(type(obj)), id(obj)
         state = getattr(obj, "__dict__", None) or {}  # a MetaTensor's meta and applied operations
@@ -505,7 +511,7 @@ def _stamp(name: str, content: Callable[[str, os.stat_result], bytes] | None) ->
 def _stamp_directory(path: str, content: Callable[[str, os.stat_result], bytes] | None) -> tuple:
     """A directory by its entries, one level deep: each file as :py:func:`_stamp` has it, anything else by its
     stat data (by its name alone for ``content``, whose keys outlive the stat data)."""
-    entries = []
+    entries: list[tuple] = []
     try:
         with os.scandir(path) as found:
             for entry in found:
@@ -525,8 +531,12 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, np.ndarray) and not value.dtype.hasobject:
         raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
         return ("array", value.dtype.descr, value.shape, hashlib.sha256(cast(Any, raw)).digest())
-    if isinstance(value, torch.Tensor) and value.layout is torch.strided and not value.is_quantized:
-        raw = value.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    if isinstance(value, torch.Tensor):
+        try:
+            flat = value.as_subclass(torch.Tensor).detach().resolve_conj().resolve_neg().cpu().contiguous()
+            raw = cast(Any, flat.reshape(-1).view(torch.uint8).numpy())
+        except (RuntimeError, TypeError, ValueError):  # sparse, quantized, on meta: as pickle has it
+            return value
         meta = sorted((getattr(value, "__dict__", None) or {}).items(), key=_first)  # a MetaTensor's meta
         return ("tensor", str(value.dtype), tuple(value.shape), hashlib.sha256(raw).digest(), stamp_files(meta))
     return value

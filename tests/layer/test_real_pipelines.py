@@ -201,7 +201,8 @@ FINGERPRINTS = """
 import collections, dataclasses, enum, functools, json, sys, typing
 import numpy as np, torch
 from monai.transforms import Transform
-from monai_sharedcache.keys import transforms_fingerprint
+from monai.data.utils import pickle_hashing
+from monai_sharedcache.keys import stamp_files, transforms_fingerprint
 
 VALUE = float(sys.argv[1])
 Pt = collections.namedtuple("Pt", "x y")
@@ -257,6 +258,8 @@ out = {}
 for cls in (UsesNamedTuple, UsesTypedNamedTuple, UsesDataclass, UsesEnumAndPartial, HoldsTensors):
     fp = transforms_fingerprint([cls()])
     out[cls.__name__] = [fp.digest, list(fp.private)]
+entry = {"image": torch.tensor([VALUE]), "label": np.full(3, VALUE), "id": 1}  # a data entry that holds tensors
+out["entry"] = [pickle_hashing(stamp_files(entry)).decode(), []]
 print(json.dumps(out))
 """
 
