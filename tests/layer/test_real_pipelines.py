@@ -62,15 +62,20 @@ SCRIPT = """
 import json, sys, warnings
 import numpy as np, torch
 from monai.data import CacheDataset, SharedCacheStore
-from monai.transforms import Compose, EnsureChannelFirstd, Invertd, LoadImaged, Spacingd
+from monai.transforms import Compose, EnsureChannelFirstd, Invertd, LoadImaged, NormalizeIntensityd
+from monai.transforms import ScaleIntensityRanged, Spacingd
 
 warnings.simplefilter("ignore")
 store = SharedCacheStore(sys.argv[1], persistent=True)
 kind, entries = sys.argv[2], json.loads(sys.argv[3])
 if kind == "nifti":
     t = Compose([LoadImaged("image"), EnsureChannelFirstd("image"), Spacingd("image", pixdim=(1.0, 1.0, 1.0))])
-else:
+elif kind == "dicom":
     t = Compose([LoadImaged("image", reader="PydicomReader")])
+else:  # transforms that hold a tensor and an array of the value given
+    value = float(kind)
+    scale = ScaleIntensityRanged("image", a_min=0.0, a_max=1.0, b_min=0.0, b_max=value)
+    t = Compose([LoadImaged("image"), scale, NormalizeIntensityd("image", subtrahend=torch.tensor([value]), divisor=np.ones(1))])
 ds = CacheDataset(entries, t, runtime_cache=store, progress=False)
 facts = {"means": [float(ds[i]["image"].float().mean()) for i in range(len(ds))]}
 if kind == "nifti":
@@ -194,6 +199,17 @@ class TestAcrossRuns(unittest.TestCase):
         write_series(series, 7)  # the same file names, in place
         self.assertEqual(self.run_script("dicom", entries), {"means": [7.0], "computed": 1})
         self.assertEqual(self.run_script("dicom", entries), {"means": [7.0], "computed": 0})
+
+    def test_transforms_that_hold_tensors_are_reused_and_an_edit_recomputes(self) -> None:
+        entries = []
+        for i in range(2):
+            entries.append({"image": os.path.join(self.tmp, f"img{i}.npy")})
+            np.save(entries[-1]["image"], np.full((2, 3), float(i), dtype=np.float32))
+        first = self.run_script("2.0", entries)
+        self.assertEqual(first["computed"], 2)
+        self.assertEqual(self.run_script("2.0", entries), first | {"computed": 0})  # another interpreter: reused
+        self.assertEqual(self.run_script("3.0", entries)["computed"], 2)  # another tensor: recomputed
+        self.assertEqual(self.run_script("2.0", entries)["computed"], 0)
 
 
 # the fingerprints of transforms whose code uses what real code uses, printed by a fresh interpreter
