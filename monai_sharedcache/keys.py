@@ -509,21 +509,26 @@ def _stamp(name: str, content: Callable[[str, os.stat_result], bytes] | None) ->
 
 
 def _stamp_directory(path: str, content: Callable[[str, os.stat_result], bytes] | None) -> tuple:
-    """A directory by its entries, one level deep: each file as :py:func:`_stamp` has it, anything else by its
-    stat data (by its name alone for ``content``, whose keys outlive the stat data)."""
+    """
+    A directory by the names and stat data of its entries, one level deep, and never a byte of them: a label that
+    names the data's root would read the whole data set. For ``content`` (a key that outlives the stat data), a file
+    counts by its size and modification time, which a copy that keeps times (``cp -p``, ``rsync -a``) keeps.
+    """
     entries: list[tuple] = []
     try:
         with os.scandir(path) as found:
             for entry in found:
                 st = entry.stat()
-                if stat.S_ISREG(st.st_mode):
-                    full = os.path.join(path, entry.name)
-                    entries.append((entry.name, _stat_data(st) if content is None else content(full, st)))
+                if content is None:
+                    entries.append((entry.name, stat.S_IFMT(st.st_mode), _stat_data(st)))
+                elif stat.S_ISREG(st.st_mode):
+                    entries.append((entry.name, stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns))
                 else:
-                    entries.append((entry.name, stat.S_IFMT(st.st_mode), () if content else _stat_data(st)))
+                    entries.append((entry.name, stat.S_IFMT(st.st_mode)))
     except OSError as err:  # unreadable, or changed while listed: a stamp never the same twice
         return ("unreadable", path, type(err).__name__, uuid.uuid4().bytes)
-    return ("directory", path, sorted(entries))
+    listing = hashlib.sha256(pickle.dumps(sorted(entries), protocol=4)).digest()  # what each key of it pickles
+    return ("directory", path, listing)
 
 
 def _canonical(value: Any) -> Any:
