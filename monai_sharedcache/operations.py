@@ -115,6 +115,6 @@ def _convert(item: Any, change: Callable[[Any], Any], depth: int) -> None:
             item[TraceKeys.ID] = change(item[TraceKeys.ID])
         for value in item.values():
             _convert(value, change, depth + 1)
-    elif isinstance(item, (list, tuple)):
-        for value in item:
+    elif isinstance(item, (list, tuple)) and item and isinstance(item[0], (Mapping, list, tuple, MetaTensor)):
+        for value in item:  # operations, or items; a list of numbers (a bounding box, a long series) holds none
             _convert(value, change, depth + 1)

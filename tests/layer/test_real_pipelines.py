@@ -164,6 +164,24 @@ class TestInvertSharedItems(DistTestCase):
         self.assertEqual(ref, [op["id"] for op in t(dict(self.data[0]))["image"].applied_operations])
 
 
+@SkipIfNoModule("nibabel")
+class TestInvertListProxyItems(unittest.TestCase):
+    def test_a_dataset_that_did_not_compute_the_item_inverts_it(self) -> None:
+        """Two datasets on one ``ListProxy``, each with its own transforms, as two ranks have them."""
+        tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, tmp, True)
+        data = [{"image": os.path.join(tmp, "img.nii.gz")}]
+        write_nifti(data[0]["image"], 0)
+        manager = multiprocessing.get_context("spawn").Manager()
+        self.addCleanup(manager.shutdown)
+        container = manager.list()
+        mine, theirs = pipeline(), pipeline()
+        CacheDataset(data, mine, runtime_cache=container, progress=False)[0]  # computed with `mine`
+        ds = CacheDataset(data, theirs, runtime_cache=container, progress=False)
+        self.assertEqual(tuple(inverted(ds[0], theirs).shape), (1, *SHAPE))
+        torch.testing.assert_close(inverted(ds[0], theirs), inverted(theirs(dict(data[0])), theirs))
+
+
 @skip_unless_store
 class TestAcrossRuns(unittest.TestCase):
     """Fresh interpreters on one persistent store."""
