@@ -175,6 +175,19 @@ def _first(pair: tuple) -> str:
     return str(pair[0])
 
 
+def _tensor_state(tensor: Any) -> list:
+    """The state of a tensor subclass (a MetaTensor's meta and operations), without the ids of the transforms that
+    recorded the operations: addresses of the process that computed it."""
+    state = getattr(tensor, "__dict__", None) or {}
+    return sorted(((k, _without_ids(v) if "operations" in k else v) for k, v in state.items()), key=_first)
+
+
+def _without_ids(ops: Any) -> Any:
+    if isinstance(ops, dict):
+        return {k: _without_ids(v) for k, v in ops.items() if not (k == "id" and "class" in ops)}
+    return [_without_ids(v) for v in ops] if isinstance(ops, list) else ops
+
+
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -280,7 +293,7 @@ class _KeyPickler(pickle.Pickler):
         if isinstance(obj, types.ModuleType):
             self._library(obj.__name__)
             return ("module", obj.__name__)
-        if isinstance(obj, (type, types.FunctionType, types.CodeType, torch.Tensor, np.ndarray)):
+        if isinstance(obj, (type, types.FunctionType, types.CodeType, torch.Tensor)) or type(obj) is np.ndarray:
             return None
         reduce = copyreg.dispatch_table.get(type(obj))  # as pickle looks it up (numpy's ufuncs, say)
         try:
@@ -291,7 +304,7 @@ class _KeyPickler(pickle.Pickler):
         return None
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (torch.Tensor, np.ndarray)):
+        if isinstance(obj, torch.Tensor) or type(obj) is np.ndarray:  # a subclass (a masked array): by its pickle
             return tuple, (self._array(obj),)
         if isinstance(obj, types.CodeType):
             parts = (obj.co_code, obj.co_consts, obj.co_names, obj.co_argcount, obj.co_kwonlyargcount, obj.co_flags)
@@ -310,6 +323,8 @@ class _KeyPickler(pickle.Pickler):
         if isinstance(obj, np.ndarray) and obj.dtype.hasobject:  # its elements, each as any other object
             return "object array", type(obj), obj.shape, obj.tolist()
         try:
+            if obj.is_quantized if isinstance(obj, torch.Tensor) else False:  # its bytes without its scales
+                raise TypeError("a quantized tensor")
             if isinstance(obj, np.ndarray):
                 data = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
                 kind: tuple = ("array", obj.dtype.descr, obj.shape)
@@ -322,8 +337,8 @@ class _KeyPickler(pickle.Pickler):
         except (RuntimeError, TypeError, ValueError) as err:  # sparse, quantized, on meta
             self.context.private.append(f"a tensor whose bytes cannot be read ({type(err).__name__}: {err})")
             return "private", _qualname(type(obj)), id(obj)
-        state = getattr(obj, "__dict__", None) or {}  # a MetaTensor's meta and applied operations
-        return (*kind, type(obj), hashlib.sha256(cast(Any, data)).digest(), sorted(state.items(), key=_first))
+        state = _tensor_state(obj)  # a MetaTensor's meta and applied operations
+        return (*kind, type(obj), hashlib.sha256(cast(Any, data)).digest(), state)
 
     def _library(self, module: str) -> bool:
         if library_version(module) is None:
@@ -337,7 +352,11 @@ class _KeyPickler(pickle.Pickler):
         if self._library(module) and "<" not in qualname:  # its name, and its distribution's version
             # by pickle's reference where its name finds it; a namedtuple's methods, numpy's dispatched functions
             # and the like are not found under their names: the same name and version, as a tuple
-            return NotImplemented if _found(module, qualname) is obj else (tuple, (("library", module, qualname),))
+            if _found(module, qualname) is obj:
+                return NotImplemented
+            if isinstance(obj, types.FunctionType) and obj.__code__.co_filename.startswith(_library_prefixes()):
+                return tuple, (("library", module, qualname),)
+            # else a function of yours that took a library's name (functools.wraps), or a class a library made
         key, context = id(obj), self.context
         if key in context.active:  # a function that calls itself, a method that makes its own class
             return tuple, (("cycle", module, qualname),)
@@ -369,9 +388,10 @@ def transforms_fingerprint(transforms: Sequence[Any]) -> Fingerprint:
         try:
             parts.append(context.digest((type(t), t)).hex())
         except Exception as err:  # a failing __getstate__, say
-            why = f"{_member(t)}, which cannot be pickled ({type(err).__name__}: {err})"
-            return Fingerprint(uuid.uuid4().hex + uuid.uuid4().hex, (), (why,))
-        private += [f"{_member(t)}: {what}" for what in context.private[before:]]
+            why = f"cannot be pickled ({type(err).__name__}: {err})"
+            return Fingerprint(uuid.uuid4().hex + uuid.uuid4().hex, (), tuple(_members(t, why)))
+        if len(context.private) > before:
+            private += _members(t)
     libraries = sorted((top, library_version(top) or "") for top in context.libraries)
     digest = hashlib.sha256(pickle.dumps((parts, libraries), protocol=4))
     if private:
@@ -379,19 +399,21 @@ def transforms_fingerprint(transforms: Sequence[Any]) -> Fingerprint:
     return Fingerprint(digest.hexdigest(), tuple(parts), tuple(dict.fromkeys(private)))
 
 
-def _member(transform: Any) -> str:
-    """Which member of ``transform`` (one level down) cannot be counted the same in every process, in words."""
+def _members(transform: Any, failed: str | None = None) -> list[str]:
+    """The members of ``transform`` (one level down) that cannot be counted the same in every process, each with why,
+    in words; ``failed``: why the whole transform failed."""
     where = f"{type(transform).__qualname__}" if not isinstance(transform, Mapping) else "the Compose options"
     members = transform if isinstance(transform, Mapping) else getattr(transform, "__dict__", None) or {}
+    found = []
     for name, value in members.items():
         context = _Context()
         try:
             context.digest(value)
-        except Exception:
-            return f"{where}.{name}"
-        if context.private:
-            return f"{where}.{name}"
-    return where
+        except Exception as err:
+            found.append(f"{where}.{name}, which cannot be pickled ({type(err).__name__}: {err})")
+            continue
+        found += [f"{where}.{name}: {what}" for what in context.private]
+    return found or [f"{where}: {failed or 'a member that cannot be pickled'}"]
 
 
 def member_digests(obj: Any) -> dict[str, str]:
@@ -518,7 +540,11 @@ def _stamp_directory(path: str, content: Callable[[str, os.stat_result], bytes] 
     try:
         with os.scandir(path) as found:
             for entry in found:
-                st = entry.stat()
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:  # a link to nothing: the link itself, and where it points
+                    entries.append((entry.name, "link", os.readlink(entry.path)))
+                    continue
                 if content is None:
                     entries.append((entry.name, stat.S_IFMT(st.st_mode), _stat_data(st)))
                 elif stat.S_ISREG(st.st_mode):
@@ -533,16 +559,16 @@ def _stamp_directory(path: str, content: Callable[[str, os.stat_result], bytes] 
 
 def _canonical(value: Any) -> Any:
     """A tensor or array by its dtype, shape and the digest of its bytes (pickle writes an address in a tensor's)."""
-    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+    if type(value) is np.ndarray and not value.dtype.hasobject:  # a subclass (a masked array): by its pickle
         raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
         return ("array", value.dtype.descr, value.shape, hashlib.sha256(cast(Any, raw)).digest())
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) and not value.is_quantized:  # quantized: its scales are not in its bytes
         try:
             flat = value.as_subclass(torch.Tensor).detach().resolve_conj().resolve_neg().cpu().contiguous()
             raw = cast(Any, flat.reshape(-1).view(torch.uint8).numpy())
         except (RuntimeError, TypeError, ValueError):  # sparse, quantized, on meta: as pickle has it
             return value
-        meta = sorted((getattr(value, "__dict__", None) or {}).items(), key=_first)  # a MetaTensor's meta
+        meta = _tensor_state(value)  # a MetaTensor's meta and applied operations
         return ("tensor", str(value.dtype), tuple(value.shape), hashlib.sha256(raw).digest(), stamp_files(meta))
     return value
 
