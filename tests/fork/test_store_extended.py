@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 import unittest
 import warnings
 from collections import Counter
@@ -65,12 +66,16 @@ from fork_utils import (
 )
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, MetaTensor, SharedCacheStore
+from monai.data import CacheDataset, DataLoader, MetaTensor, PydicomReader, SharedCacheStore
 from monai.data import _cache_format as fmt
 from monai.data import _cache_locks as locks
 from monai.data import cache_store
 from monai.data.utils import pickle_hashing
-from monai.transforms import Compose, Transform
+from monai.transforms import Compose, LoadImage, Transform
+from monai.utils import optional_import
+
+get_testdata_file, has_pydicom = optional_import("pydicom.data", name="get_testdata_file")
+UID, _ = optional_import("pydicom.uid", name="UID")
 
 # -- items ------------------------------------------------------------------------------------------------------------
 
@@ -107,6 +112,8 @@ def _assert_same(tc: unittest.TestCase, a: Any, b: Any, where: str = "item") -> 
         tc.assertEqual(len(a), len(b), where)
         for i, (x, y) in enumerate(zip(a, b)):
             _assert_same(tc, x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and a != a:  # NaN, as a DICOM image's original_channel_dim
+        tc.assertNotEqual(b, b, where)
     else:
         tc.assertEqual(a, b, where)
 
@@ -472,6 +479,54 @@ class TestAllowList(StoreCase):
         crashes nor imports what it names.
         """
         self.assertEqual(run_forked(_load_crafted, kind), 0)
+
+    def test_each_refused_type_is_named_once(self) -> None:
+        """
+        Issue 56: only the first type refused was named (one warning per store and process); the later ones were
+        silent. Each refused type is named in one warning, when stored and when read; a tensor off the CPU (here on
+        the ``meta`` device, as on a GPU) is one too. Other faults, such as unpicklable items, still warn once.
+        """
+        store = self.new_store()
+        trusting = SharedCacheStore(store.path, weights_only=False)
+        self.addCleanup(trusting.close)
+        unstorable = [
+            Point(1), types.SimpleNamespace(a=1), torch.zeros(2, device="meta"), threading.Lock(), (x for x in ()),
+        ]  # fmt: skip
+        self.assertTrue(trusting.put("p", Point(2)) and trusting.put("ns", types.SimpleNamespace(b=2)))  # planted
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                self.assertEqual([store.put(str(n), [item]) for n, item in enumerate(unstorable)], [False] * 5)
+                self.assertEqual((store.get("p"), store.get("ns")), (None, None))
+        expected = [
+            rf"cannot store some items .*{__name__}\.Point is not among the types allowed",
+            r"cannot store some items .*types\.SimpleNamespace is not among the types allowed",
+            r"cannot store some items .*CPU tensors only, got one on meta.*keep the cached transforms on the CPU",
+            r"cannot store some items .*cannot pickle '_thread.lock' object",
+            rf"refused items of a type not allowed .*{__name__}\.Point is not among",
+            r"refused items of a type not allowed .*types\.SimpleNamespace is not among",
+        ]
+        messages = [str(w.message) for w in caught]
+        self.assertEqual(len(messages), len(expected), messages)
+        for message, pattern in zip(messages, expected):
+            self.assertRegex(message, pattern)
+
+    @unittest.skipUnless(has_pydicom, "pydicom is not installed")
+    def test_dicom_meta_with_pydicom_uids(self) -> None:
+        """
+        Issue 56: the meta of MONAI's DICOM reader with ``prune_metadata=False`` holds pydicom's ``UID`` (a ``str``);
+        it is stored and read back as it was, with no setting.
+        """
+        img = LoadImage(reader=PydicomReader(prune_metadata=False), image_only=True)(get_testdata_file("CT_small.dcm"))
+        uids = sorted(k for k, v in img.meta.items() if isinstance(v, dict) and isinstance(v.get("Value", [0])[0], UID))
+        self.assertEqual(len(uids), 6)  # such as 0020000D, the study's
+        store = self.new_store()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            self.assertTrue(store.put("ct", {"img": img}))
+            out = store.get("ct")["img"]
+        _assert_same(self, img, out)  # types included
+        self.assertEqual({type(out.meta[k]["Value"][0]) for k in uids}, {UID})
 
     def test_what_monai_items_hold(self) -> None:
         store = self.new_store()
