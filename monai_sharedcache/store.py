@@ -108,7 +108,9 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         persistent: keep the store in ``path`` when its last user leaves, for later runs. With it, ``reserve`` and
             ``max_bytes``, if given, each replace the value that the store recorded, when no other run uses it. A
             store that was made persistent is joined as such without it.
-        weights_only: the allow-list of the items' types, as the core's (``False`` reads any type, which can run code).
+        weights_only: the allow-list of the items' types, as the core's (``False`` reads any type, which can run code):
+            the types of ``torch.serialization.add_safe_globals`` allowed where the store is made, or by the time that
+            it is pickled, are allowed in its DataLoader workers too.
 
     Raises:
         ValueError: ``max_bytes`` is not a non-negative integer, or is given with ``path`` (without ``persistent``);
@@ -286,8 +288,8 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         return self._session is not None
 
     def __reduce__(self) -> tuple:
-        core = super().__reduce__()
-        return _attach, (core[0], core[1], self.max_bytes, self._session)
+        core = super().__reduce__()  # with the core's state: the types allowed here
+        return _attach, (core[0], core[1], self.max_bytes, self._session), *core[2:]
 
     def file_stem(self, key: str) -> str:
         return super().file_stem(key + "|" + persist.version_tag() if self._session is not None else key)

@@ -50,6 +50,7 @@ _SAFE = {
     "datetime": {"date", "datetime", "time", "timedelta", "timezone"},
     "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
     "torch": {"Size", "Tensor", "device"},
+    "pydicom.uid": {"UID"},  # a str: the meta of MONAI's DICOM reader holds it (prune_metadata=False)
     __name__: {"_rebuild_tensor", "_rebuild_ndarray", "_rebuild_scalar", "_numpy_dtype"},
 }
 ALLOW = "To allow a type: torch.serialization.add_safe_globals([YourType]), or the store's weights_only=False."
@@ -61,6 +62,10 @@ class CorruptItemError(Exception):
 
 class UnsafeTypeError(pickle.UnpicklingError):
     """An item holds a type that the allow-list leaves out."""
+
+
+class OffCpuError(TypeError):
+    """An item holds a tensor off the CPU."""
 
 
 class _Unpickler(pickle.Unpickler):
@@ -133,7 +138,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.device.type != "cpu":
-                raise TypeError(_GPU.format(obj.device))
+                raise OffCpuError(_GPU.format(obj.device))
             cls = type(obj)
             if obj.layout is not torch.strided or obj.is_quantized or obj.is_nested:
                 return NotImplemented

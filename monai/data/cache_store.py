@@ -99,10 +99,11 @@ class SharedCacheStore:
         reserve: bytes that this process keeps free on the store's file system; by default
             ``$MONAI_CACHE_RESERVE_BYTES``, else half the file system, at most 4 GiB.
         weights_only: as ``PersistentDataset``'s: items are read with an allow-list of types (tensors, arrays and
-            scalars, MONAI's tensors and enums, plain builtins, and those of ``torch.serialization.add_safe_globals``),
-            so reading imports no module and calls nothing else, and an item of another type (an object array, an
-            instance of a class of yours) is computed without being stored; ``False`` unpickles any type, which can
-            run code: only for a store whose directory no one else could have written.
+            scalars, MONAI's tensors and enums, plain builtins, pydicom's ``UID``, and those of
+            ``torch.serialization.add_safe_globals``), so reading imports no module and calls nothing else, and an item
+            of another type (an object array, an instance of a class of yours) is computed without being stored, with
+            one warning per type; ``False`` unpickles any type, which can run code: only for a store whose directory no
+            one else could have written.
 
     Raises:
         NotImplementedError: on a platform without ``fcntl`` (Windows).
@@ -187,7 +188,7 @@ class SharedCacheStore:
         self._path, self._tmp = path, cast(locks.Dir, None if d is None else locks.Dir(path, _TMP, d))
         self._ident = (0, 0) if d is None else (d.ident.st_dev, d.ident.st_ino)
         self._gone, self._writable = d is None, True
-        self._warned: dict[tuple[int, str], object] = {}
+        self._warned: dict[tuple[int, str, str], object] = {}
         self._finalizer: weakref.finalize | None = None
 
     def _hold(self, held: locks.Held) -> None:
@@ -217,7 +218,8 @@ class SharedCacheStore:
             chunks, total = fmt.encode(key, item, self.weights_only)
         except Exception as err:
             then = _UNSAFE if isinstance(err, fmt.UnsafeTypeError) else fmt.UNSTORABLE
-            self._warn_once("cannot store some items", err, then)
+            refused = str(err) if isinstance(err, (fmt.UnsafeTypeError, fmt.OffCpuError)) else ""  # each type once
+            self._warn_once("cannot store some items", err, then, refused)
             return False
         why = self.room_for(total)
         if why is not None:
@@ -318,7 +320,7 @@ class SharedCacheStore:
         except FileNotFoundError:
             pass
         except fmt.UnsafeTypeError as err:  # planted, or written by a store that allows more
-            self._warn_once("refused items of a type not allowed", err, "Such items are computed anew.")
+            self._warn_once("refused items of a type not allowed", err, "Such items are computed anew.", str(err))
         except OSError as err:
             self._warn_once("cannot read items", err)
         except fmt.CorruptItemError:
@@ -338,9 +340,9 @@ class SharedCacheStore:
             self._writable = False
         self._warn_once(what, err)
 
-    def _warn_once(self, what: str, why: object, then: str = _UNCACHED) -> None:
+    def _warn_once(self, what: str, why: object, then: str = _UNCACHED, refused: str = "") -> None:
         token = object()  # setdefault is atomic: no lock, which a fork could leave held in the child
-        if self._warned.setdefault((os.getpid(), what), token) is not token:
+        if self._warned.setdefault((os.getpid(), what, refused), token) is not token:  # once per fault and type
             return
         why = f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else why
         warnings.warn(f"SharedCacheStore {self._path}: {what} ({why}). {then}", RuntimeWarning, stacklevel=3)

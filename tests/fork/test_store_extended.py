@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import gc
 import hashlib
 import io
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 import unittest
 import warnings
 from collections import Counter
@@ -65,12 +67,16 @@ from fork_utils import (
 )
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, MetaTensor, SharedCacheStore
+from monai.data import CacheDataset, DataLoader, MetaTensor, PydicomReader, SharedCacheStore
 from monai.data import _cache_format as fmt
 from monai.data import _cache_locks as locks
 from monai.data import cache_store
-from monai.data.utils import pickle_hashing
-from monai.transforms import Compose, Transform
+from monai.data.utils import pickle_hashing, set_rnd
+from monai.transforms import Compose, LoadImage, Transform
+from monai.utils import optional_import
+
+get_testdata_file, has_pydicom = optional_import("pydicom.data", name="get_testdata_file")
+UID, _ = optional_import("pydicom.uid", name="UID")
 
 # -- items ------------------------------------------------------------------------------------------------------------
 
@@ -107,6 +113,8 @@ def _assert_same(tc: unittest.TestCase, a: Any, b: Any, where: str = "item") -> 
         tc.assertEqual(len(a), len(b), where)
         for i, (x, y) in enumerate(zip(a, b)):
             _assert_same(tc, x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and a != a:  # NaN, as a DICOM image's original_channel_dim
+        tc.assertNotEqual(b, b, where)
     else:
         tc.assertEqual(a, b, where)
 
@@ -429,6 +437,39 @@ class Point:
         return f"Point({self.x})"
 
 
+class Label:
+    """Another type of the user's."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Label({self.name!r})"
+
+
+class MakePoints(Transform):
+    """Items that hold types of the user's; each input computed is logged, as ``Load`` logs it."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __call__(self, i: int) -> dict:
+        return {**Load(self.log)(i), "p": Point(i), "tag": Label(f"t{i}")}
+
+
+def _log_warnings(path: str, worker_id: int) -> None:
+    """A DataLoader worker's ``worker_init_fn``: its warnings go to the file ``path``, which the test reads."""
+
+    def show(message: Any, category: type, *args: Any, **kwargs: Any) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{category.__name__}: {message}\n".encode())
+        finally:
+            os.close(fd)
+
+    warnings.showwarning = show
+
+
 @skip_unless_store
 class TestAllowList(StoreCase):
     """Items are read with an allow-list of types, as PersistentDataset's weights_only=True: reading runs no code."""
@@ -472,6 +513,115 @@ class TestAllowList(StoreCase):
         crashes nor imports what it names.
         """
         self.assertEqual(run_forked(_load_crafted, kind), 0)
+
+    def test_the_allowed_types_go_with_the_store(self) -> None:
+        """A store pickled to another process allows there what was allowed where it was made; still no more."""
+        canary = os.path.join(self.root, "pwned")
+        with torch.serialization.safe_globals([Point, RandAdd]):
+            store = self.new_store()
+        set_rnd(store, 0)  # as MONAI's DataLoader seeds a dataset: an allowed class is no attribute to seed
+        copy = pickle.loads(pickle.dumps(store))  # as a spawned DataLoader worker receives it
+        self.addCleanup(copy.close)
+        self.assertTrue(copy.put("p", Point(1)))
+        self.assertEqual((store.get("p").x, copy.get("p").x), (1, 1))
+        trusting = SharedCacheStore(store.path, weights_only=False)
+        self.addCleanup(trusting.close)
+        self.assertTrue(trusting.put("k", [Point(2), Evil(canary)]))  # planted
+        with self.assertWarnsRegex(RuntimeWarning, r"refused items.*\.open is not among the types allowed"):
+            self.assertIsNone(copy.get("k"))
+        self.assertFalse(os.path.exists(canary))
+
+    @parameterized.expand(
+        [(m,) for m in ("spawn", "forkserver", "fork") if m in multiprocessing.get_all_start_methods()]
+    )
+    def test_types_allowed_in_the_parent_hold_in_its_workers(self, method: str) -> None:
+        """
+        Issue 56: a type allowed in the parent alone (as in a script's ``main()``, which spawned DataLoader workers do
+        not run) was refused in the workers, every item and every epoch. The store carries the types allowed where it
+        is made and those allowed by the time it is pickled to a worker; an entry that pickle cannot store, or that a
+        worker cannot import, is left out, and nothing fails. The parent computes and stores half of the items, and
+        the workers read those and compute and store the others: each input is computed once, and nothing is refused.
+        """
+        prior = torch.serialization.get_safe_globals()
+        self.addCleanup(lambda: (torch.serialization.clear_safe_globals(), torch.serialization.add_safe_globals(prior)))
+        only_here = types.ModuleType(f"{__name__}_only_here")  # importable in this process alone
+        only_here.Gone = type("Gone", (), {"__module__": only_here.__name__})  # type: ignore[attr-defined]
+        sys.modules[only_here.__name__] = only_here
+        self.addCleanup(sys.modules.pop, only_here.__name__, None)
+
+        class Local:  # pickle cannot store it
+            pass
+
+        with torch.serialization.safe_globals([Point, Local, only_here.Gone]):  # type: ignore[attr-defined]
+            store = self.new_store()  # allowed where it is made, and no longer in torch's list
+        torch.serialization.add_safe_globals([Label])  # allowed after, before the workers start
+        log, seen = os.path.join(self.root, "log"), os.path.join(self.root, "warnings")
+        ds = CacheDataset(list(range(6)), MakePoints(log), runtime_cache=store, progress=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertEqual([ds[i]["p"].x for i in range(3)], [0, 1, 2])  # computed and stored here
+            init = functools.partial(_log_warnings, seen)
+            loader = DataLoader(
+                ds, batch_size=2, num_workers=2, multiprocessing_context=method, timeout=TIMEOUT, collate_fn=list,
+                worker_init_fn=init,
+            )  # fmt: skip
+            got = [(d["src"], d["p"].x, d["tag"].name) for batch in loader for d in batch]
+            self.assertEqual([ds[i]["tag"].name for i in range(3, 6)], ["t3", "t4", "t5"])  # stored by the workers
+        self.assertEqual(sorted(got), [(i, i, f"t{i}") for i in range(6)])
+        self.assertEqual(executions(log), Counter(range(6)))  # once each: nothing refused, in a worker or here
+        self.assertEqual(len(item_files(store.path)), 6)
+        self.assertEqual([str(w.message) for w in caught if "SharedCacheStore" in str(w.message)], [])
+        with open(seen, "a+") as f:  # made if no worker warned
+            f.seek(0)
+            self.assertNotIn("SharedCacheStore", f.read())
+
+    def test_each_refused_type_is_named_once(self) -> None:
+        """
+        Issue 56: only the first type refused was named (one warning per store and process); the later ones were
+        silent. Each refused type is named in one warning, when stored and when read; a tensor off the CPU (here on
+        the ``meta`` device, as on a GPU) is one too. Other faults, such as unpicklable items, still warn once.
+        """
+        store = self.new_store()
+        trusting = SharedCacheStore(store.path, weights_only=False)
+        self.addCleanup(trusting.close)
+        unstorable = [
+            Point(1), types.SimpleNamespace(a=1), torch.zeros(2, device="meta"), threading.Lock(), (x for x in ()),
+        ]  # fmt: skip
+        self.assertTrue(trusting.put("p", Point(2)) and trusting.put("ns", types.SimpleNamespace(b=2)))  # planted
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                self.assertEqual([store.put(str(n), [item]) for n, item in enumerate(unstorable)], [False] * 5)
+                self.assertEqual((store.get("p"), store.get("ns")), (None, None))
+        expected = [
+            rf"cannot store some items .*{__name__}\.Point is not among the types allowed",
+            r"cannot store some items .*types\.SimpleNamespace is not among the types allowed",
+            r"cannot store some items .*CPU tensors only, got one on meta.*keep the cached transforms on the CPU",
+            r"cannot store some items .*cannot pickle '_thread.lock' object",
+            rf"refused items of a type not allowed .*{__name__}\.Point is not among",
+            r"refused items of a type not allowed .*types\.SimpleNamespace is not among",
+        ]
+        messages = [str(w.message) for w in caught]
+        self.assertEqual(len(messages), len(expected), messages)
+        for message, pattern in zip(messages, expected):
+            self.assertRegex(message, pattern)
+
+    @unittest.skipUnless(has_pydicom, "pydicom is not installed")
+    def test_dicom_meta_with_pydicom_uids(self) -> None:
+        """
+        Issue 56: the meta of MONAI's DICOM reader with ``prune_metadata=False`` holds pydicom's ``UID`` (a ``str``);
+        it is stored and read back as it was, with no setting.
+        """
+        img = LoadImage(reader=PydicomReader(prune_metadata=False), image_only=True)(get_testdata_file("CT_small.dcm"))
+        uids = sorted(k for k, v in img.meta.items() if isinstance(v, dict) and isinstance(v.get("Value", [0])[0], UID))
+        self.assertEqual(len(uids), 6)  # such as 0020000D, the study's
+        store = self.new_store()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            self.assertTrue(store.put("ct", {"img": img}))
+            out = store.get("ct")["img"]
+        _assert_same(self, img, out)  # types included
+        self.assertEqual({type(out.meta[k]["Value"][0]) for k in uids}, {UID})
 
     def test_what_monai_items_hold(self) -> None:
         store = self.new_store()
