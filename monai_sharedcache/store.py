@@ -383,15 +383,15 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         if item is _MISS:
             return default
         if persist.touch(self.directory, name, before, self._session):
-            self._counters.add(counters.REUSED)
+            counters.count(self._counters, counters.REUSED)
         return item
 
     def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
         item = self.get(key, _MISS)
         if item is not _MISS:
-            self._counters.add(counters.HITS)
+            counters.count(self._counters, counters.HITS)
             return item
-        self._counters.add(counters.MISSES)
+        counters.count(self._counters, counters.MISSES)
         return super().get_or_compute(key, self._counted(compute))
 
     def fill(self, key: str, compute: Callable[[], Any], wait: bool = True) -> bool:
@@ -399,14 +399,14 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             name = self.file_stem(key) + ".item"
             try:  # used by this run: never evicted for its other items
                 if persist.touch(self.directory, name, self.directory.stat(name), self._session):
-                    self._counters.add(counters.REUSED)
+                    counters.count(self._counters, counters.REUSED)
             except OSError:
                 pass
         return super().fill(key, self._counted(compute), wait)
 
     def _counted(self, compute: Callable[[], Any]) -> Callable[[], Any]:
         def counted() -> Any:
-            self._counters.add(counters.COMPUTED)
+            counters.count(self._counters, counters.COMPUTED)
             return compute()
 
         return counted
@@ -455,7 +455,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             self._count((self._size(name) if room.uncounted else 0) - before, room.new if room.uncounted else 0)
         else:
             self._count(-room.reserved, -room.new if room.reserved else 0)
-            self._counters.add(counters.REFUSED)
+            counters.count(self._counters, counters.REFUSED)
         return stored
 
     def room_for(self, nbytes: int) -> str | None:

@@ -25,7 +25,7 @@ import torch
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader, SharedCacheStore
-from monai.transforms import Compose
+from monai.transforms import Compose, Transform
 from monai_sharedcache import counters as cache_counters
 from tests import test_cachedataset_fill as core
 from tests.test_cachedataset_fill import FORK, TIMEOUT, AddOne, Load, N, computations, needs_fork, needs_store
@@ -37,6 +37,13 @@ NO_EVENTS = {"hits": 0, "misses": 0, "computed": 0, "refused": 0}
 
 def counts(stats: dict) -> dict:
     return {k: stats[k] for k in NO_EVENTS}
+
+
+class Big(Transform):
+    """An item of 128 KiB: past the cap of a small store."""
+
+    def __call__(self, i: int) -> dict:
+        return {"i": i, "img": torch.zeros(32 << 10)}
 
 
 class _Listing:
@@ -169,6 +176,50 @@ class TestStats(DistTestCase):
         self.assertEqual(train.cache_stats()["dataset"], {"capacity": N, "filled": N})
         self.assertEqual(val.cache_stats()["dataset"], {"capacity": 3, "filled": 1})
         self.assertEqual(val.cache_stats()["cache"]["filled"], N + 1)
+
+    @needs_store
+    def test_each_dataset_counts_its_own_events(self) -> None:
+        """A train and a validation dataset in one store: ``process`` has each one's events, ``cache`` the store's."""
+        store = self.runtime_cache("store", max_bytes=64 << 10)  # room for the items of train, not for those of val
+        train = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        val = CacheDataset([100, 101], Big(), runtime_cache=store, progress=False)
+        train.fill()
+        self.check_items(train)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the store's warning of items past its cap
+            for i in (0, 0, 1):
+                val[i]
+        mine = {"hits": N, "misses": 0, "computed": N, "refused": 0}
+        theirs = {"hits": 0, "misses": 3, "computed": 3, "refused": 3}
+        self.assertEqual(train.cache_stats()["process"], mine)
+        self.assertEqual(val.cache_stats()["process"], theirs)
+        whole = {k: mine[k] + theirs[k] for k in NO_EVENTS}
+        for ds in (train, val):
+            self.assertEqual(counts(ds.cache_stats()["cache"]), whole)
+        self.assertEqual(counts(store.process_stats()), whole)  # the store's events of this process: both datasets'
+        self.assertEqual(store.stats()["filled"], N)
+
+    @needs_store
+    def test_each_dataset_counts_its_own_reuse(self) -> None:
+        """In the second run of a persistent store, each dataset counts the items of the first run that it reused."""
+        path, log = os.path.join(self.tmp, "kept"), os.path.join(self.tmp, "log")
+        for _ in range(2):
+            store = SharedCacheStore(path, persistent=True)
+            try:
+                transform = Compose([Load(log), AddOne()])
+                train = CacheDataset(list(range(N)), transform, runtime_cache=store, progress=False)
+                val = CacheDataset([100, 101, 102], transform, runtime_cache=store, progress=False)
+                train.fill()
+                for _ in range(2):
+                    val[0]
+                stats = train.cache_stats(), val.cache_stats()
+            finally:
+                store.close()
+        self.assertEqual(stats[0]["process"], {**NO_EVENTS, "reused": N})
+        self.assertEqual(stats[1]["process"], {**NO_EVENTS, "hits": 2, "reused": 1})
+        self.assertEqual(stats[0]["cache"], {"filled": N + 1, "nbytes": stats[0]["cache"]["nbytes"], **NO_EVENTS,
+                                             "hits": 2, "reused": N + 1})  # fmt: skip
+        self.assertEqual(stats[0]["cache"], stats[1]["cache"])
 
     @parameterized.expand([("temporary",), ("persistent",)])
     @needs_store
