@@ -12,11 +12,12 @@
 A cap on a store's size (``max_bytes``), and the budget that a store's creator records for all its users.
 
 The core's store keeps a reserve free on its file system, each process by itself. The cap holds for the store, not
-per process: the bytes and the number of its items are counted in the store (``.used``, 16 bytes read and written
-under ``flock``), and a writer reserves an item's bytes there before it writes, so what one process writes every
-other one sees before its next write, and no operation lists the store's directory. What a process killed between
-its reservation and its item leaves counted can only make the count too high, never too low: the store counts its
-items again when the count would refuse an item, and the count changed since it last did.
+per process: the bytes and the number of its items are counted in the store (``.used``, read and written under
+``flock``), and a writer reserves an item's bytes (and the item, if new) there before it writes, so what one process
+writes every other one sees before its next write, and no operation lists the store's directory: the store's
+statistics read the count too. What a process killed between its reservation and its item leaves counted can only
+make the count too high, never too low: the store counts its items again when the count would refuse an item, and the
+count changed since it last did.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ ENV_MAX_BYTES = "MONAI_CACHE_MAX_BYTES"  # the cap of new stores, in bytes
 BUDGET_FILE = ".budget"  # {"reserve": ..., "max_bytes": ...}, as the creator recorded them
 USED_FILE = ".used"
 RECORDS_DIR = ".records"  # budget records being written, each locked by its writer
-WRITES_DIR = ".writes"  # a file per write under way, locked by its writer, named with the bytes it counted
+WRITES_DIR = ".writes"  # a file per write under way, locked by its writer, named with what it counted
 _USED = struct.Struct("<qqq")  # bytes, items, and the number of changes: a recount is made once per change
 _LIMIT = 4096  # bytes of a budget record read at most: it is small
 
@@ -127,6 +128,30 @@ class Used:
         if held is None:
             raise OSError(errno.EAGAIN, "the count of the store's bytes stays locked", USED_FILE)
         return held
+
+    def read(self, dead: Callable[[], bool]) -> tuple[int, int]:
+        """
+        The bytes and the number of items counted, read from the count: no item is listed or stat'ed. The store is
+        counted anew (once: a recount removes what the dead left) only if the count is off: without a count yet, whose
+        items no write of the layer ever counted, or if ``dead()``, a writer killed since its reservation.
+
+        Raises:
+            OSError: the count cannot be locked, read or written.
+        """
+        held = self._lock()
+        try:
+            data = os.pread(held.fd, _USED.size, 0)
+            changes = -2  # without a count: the recount writes the first, as a first add does (-1)
+            if len(data) == _USED.size:
+                used, n, changes = _USED.unpack(data)
+                if not dead():
+                    return used, n
+            used, n = self.recount()
+            os.pwrite(held.fd, _USED.pack(used, n, changes + 1), 0)
+            self._recounted = changes + 1
+            return used, n
+        finally:
+            held.close()
 
     def remove(self, remove: Callable[[], tuple[int, int]]) -> None:
         """

@@ -18,6 +18,10 @@ at the end of every epoch, and the other ranks of the node. So every process cou
 process that dies releases its slot's lock with it, and the next process to take the slot goes on from its counts:
 the sum of the slots keeps the counts of the processes that are gone, and there are never more slots than processes
 counting at once. A forked child (a DataLoader worker) takes a slot of its own at its first event.
+
+A dataset counts its own events in this process too, in counts without a slot: the fork's ``CacheDataset`` calls its
+store :py:func:`on_behalf` of them, so that each event of the store in that call counts for the dataset as well, and
+datasets that share a store (a train and a validation dataset) each report their own.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ HITS, MISSES, COMPUTED, REFUSED, REUSED = range(len(FIELDS))
 SLOTS_DIR = ".counters"
 _SLOT = struct.Struct(f"<{len(FIELDS)}q")
 _MAX_SLOTS = 4096
+_CALLER = threading.local()  # the counts of the caller (a dataset) that a thread's store events count for too
 
 
 class Counters:
@@ -115,7 +120,35 @@ class Counters:
         return dict(zip(self.fields, sums)) if found else self.local()
 
     def __reduce__(self) -> tuple:
-        return Counters, ()
+        return Counters, (None, self.fields == FIELDS)
+
+
+def count(counts: Counters, field: int) -> None:
+    """An event of a store, counted in its ``counts`` and in those of the caller that this thread serves, if any."""
+    counts.add(field)
+    caller = getattr(_CALLER, "counts", None)
+    if caller is not None:
+        caller.add(field)
+
+
+class on_behalf:  # noqa: N801 (a context manager, named as contextlib's are)
+    """
+    Count the events of the stores that this thread uses in the block also in ``of``: the counts of one dataset, which
+    shares its store with others (a train and a validation dataset, say). A class, not a generator: a hit pays for it.
+    """
+
+    __slots__ = ("of", "outer")
+
+    def __init__(self, of: Counters) -> None:
+        self.of: Counters | None = of
+        self.outer: Counters | None = None
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_CALLER, "counts", None)
+        _CALLER.counts = self.of
+
+    def __exit__(self, *exc: object) -> None:
+        _CALLER.counts = self.outer
 
 
 def reset(at: Any) -> None:

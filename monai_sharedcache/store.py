@@ -194,7 +194,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
     def _setup_layer(self, max_bytes: int | None, session: int | None) -> None:
         self.max_bytes, self._session = max_bytes, session  # session: the start of a persistent store's current one
         self.durable = self._evictable = session is not None
-        self._room = threading.local()  # the bytes that the current put of each thread reserved in the count
+        self._room = threading.local()  # per thread: the bytes that its put reserved in the count, the file it reads
         self._writes_dir: Any = None
         self._turns_dir: Any = None  # opened once per store object
         self._sums = True  # checksums of a persistent store on a disk, and the files that this process checked
@@ -329,6 +329,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         if ident in self._checked:
             return True
         if checksum.check(fd, view, session) is False:
+            self._remove_damaged(st)
             what = "found items whose bytes are not those written"
             self._warn_layer(
                 what, f"{what} (a damaged disk or file, or not written whole). They are removed, and computed anew."
@@ -336,6 +337,30 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             return False
         self._checked.add(ident)  # unknown (no attributes here): not asked again either
         return True
+
+    def _remove_damaged(self, st: os.stat_result) -> None:
+        """
+        Remove the item file that this thread's :py:meth:`get` reads, found damaged, if it is still the file ``st``,
+        and count it out: the core would remove it uncounted, and :py:meth:`stats` reads the count.
+        """
+        name = getattr(self._room, "reading", None)
+        if name is None:
+            return
+
+        def remove() -> tuple[int, int]:
+            try:
+                now = self.directory.stat(name)
+            except OSError:
+                return 0, 0
+            size = self._retire(name) if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino) else None
+            return (0, 0) if size is None else (size, 1)
+
+        turns = self._turns([name])
+        try:
+            self._locked(remove)
+        finally:
+            for turn in turns:
+                turn.close()
 
     def free_space(self) -> tuple[int, int] | None:
         space = super().free_space()
@@ -352,19 +377,23 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             before = self.directory.stat(name)  # its use before this read, which may set its access time
         except OSError:
             return default
-        item = super().get(key, _MISS)
+        self._room.reading = name  # a damaged item is counted out as it is removed (verified)
+        try:
+            item = super().get(key, _MISS)
+        finally:
+            self._room.reading = None
         if item is _MISS:
             return default
         if persist.touch(self.directory, name, before, self._session):
-            self._counters.add(counters.REUSED)
+            counters.count(self._counters, counters.REUSED)
         return item
 
     def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
         item = self.get(key, _MISS)
         if item is not _MISS:
-            self._counters.add(counters.HITS)
+            counters.count(self._counters, counters.HITS)
             return item
-        self._counters.add(counters.MISSES)
+        counters.count(self._counters, counters.MISSES)
         return super().get_or_compute(key, self._counted(compute))
 
     def fill(self, key: str, compute: Callable[[], Any], wait: bool = True) -> bool:
@@ -372,14 +401,14 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             name = self.file_stem(key) + ".item"
             try:  # used by this run: never evicted for its other items
                 if persist.touch(self.directory, name, self.directory.stat(name), self._session):
-                    self._counters.add(counters.REUSED)
+                    counters.count(self._counters, counters.REUSED)
             except OSError:
                 pass
         return super().fill(key, self._counted(compute), wait)
 
     def _counted(self, compute: Callable[[], Any]) -> Callable[[], Any]:
         def counted() -> Any:
-            self._counters.add(counters.COMPUTED)
+            counters.count(self._counters, counters.COMPUTED)
             return compute()
 
         return counted
@@ -415,6 +444,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         room = self._room
         room.reserved, room.active, room.held, room.uncounted = 0, True, None, False
         before = self._size(name)  # another process's copy of the item, if any: this write replaces it
+        room.new = 0 if before else 1  # a new item, counted with its bytes before it is published
         try:
             stored = super().put(key, item)
         finally:
@@ -423,11 +453,11 @@ class SharedCacheStore(cache_store.SharedCacheStore):
                 at, held_name, held = room.held
                 _unlink(at, held_name)
                 held.close()
-        if stored:  # its bytes were counted when they were reserved, unless the count failed then
-            self._count((self._size(name) if room.uncounted else 0) - before, 0 if before else 1)
+        if stored:  # its bytes and itself were counted when they were reserved, unless the count failed then
+            self._count((self._size(name) if room.uncounted else 0) - before, room.new if room.uncounted else 0)
         else:
-            self._count(-room.reserved)
-            self._counters.add(counters.REFUSED)
+            self._count(-room.reserved, -room.new if room.reserved else 0)
+            counters.count(self._counters, counters.REFUSED)
         return stored
 
     def room_for(self, nbytes: int) -> str | None:
@@ -460,7 +490,8 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         if why is not None or not getattr(self._room, "active", False):
             return why
         try:
-            fits, used = self._used.add(nbytes, cap=self.max_bytes, made=lambda: self._under_way(nbytes))
+            new = self._room.new
+            fits, used = self._used.add(nbytes, new, cap=self.max_bytes, made=lambda: self._under_way(nbytes, new))
         except OSError as err:  # without a count, a cap cannot hold; else the item is counted once written
             self._room.uncounted = True
             return None if self.max_bytes is None else f"the count of its bytes cannot be updated ({err})"
@@ -469,12 +500,13 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         self._room.reserved = nbytes
         return None
 
-    def _under_way(self, nbytes: int) -> None:
+    def _under_way(self, nbytes: int, new: int) -> None:
         """
-        Under the count's lock, once the bytes of this thread's write are counted: a file that holds them in its name,
-        locked until the write is done, so that a recount counts the writes under way, and no other.
+        Under the count's lock, once the bytes of this thread's write (and the item, if ``new``) are counted: a file
+        that holds them in its name, locked until the write is done, so that a recount counts the writes under way,
+        and no other.
         """
-        at, name = self._writes(), f"{secrets.token_hex(8)}-{nbytes}"
+        at, name = self._writes(), f"{secrets.token_hex(8)}-{new}-{nbytes}"
         held = _flock.hold(at, name)
         if held is None:
             raise OSError(errno.EEXIST, "a write of that name is under way", name)
@@ -507,12 +539,34 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         except OSError:
             return 0
 
+    def _dead_writes(self) -> bool:
+        """
+        Whether a writer was killed between its reservation and the end of its write (its file in ``.writes`` is not
+        locked): what it reserved is counted still. Under the count's lock, where no write file is made.
+        """
+        try:
+            at = self._writes()
+            names = at.names()
+        except OSError:
+            return False
+        for name in names:
+            try:
+                fd = at.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # never made here: gone, it is done
+            except OSError:
+                continue
+            try:
+                if _flock.take(fd):
+                    return True
+            finally:
+                os.close(fd)
+        return False
+
     def _recount(self) -> tuple[int, int]:
         """
-        The bytes and the number of the store's items, counted in its directory, and the bytes of the writes under way;
-        the files of dead writers are removed (their bytes were never written).
+        The bytes and the number of the store's items, counted in its directory, and those of the writes under way
+        (``<token>-<new item: 0 or 1>-<bytes>``); the files of dead writers are removed (they wrote nothing).
         """
-        nbytes = 0
+        nbytes = items = 0
         try:
             at = self._writes()
             names = at.names()
@@ -524,15 +578,16 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             except OSError:  # counted, as if alive: never too low
                 held = None
             if held is None:  # its writer is alive
-                end = name.rsplit("-", 1)[-1]
-                nbytes += int(end) if end.isdigit() else 0
+                parts = name.split("-")
+                nbytes += int(parts[-1]) if parts[-1].isdigit() else 0
+                items += len(parts) == 3 and parts[1] == "1"
             else:
                 _unlink(at, name)
                 held.close()
         # the items after the writes: a write that ends in between (published, then its file unlinked) is counted
         # twice, never missed
         found = persist.items(self.directory)
-        return nbytes + sum(f[2] for f in found) + self._free_aside()[1], len(found)
+        return nbytes + sum(f[2] for f in found) + self._free_aside()[1], items + len(found)
 
     def _free_aside(self) -> tuple[int, int]:
         """The bytes of removed items freed now that no mapping pins them, and those still pinned."""
@@ -605,17 +660,28 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             return 0
         return sum(_exists(self.directory, self.file_stem(key) + ".item") for key in keys)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | None]:
         """
+        The store's numbers, read from its counts: whatever the store's size, no item is listed or stat'ed, except by
+        the one recount that follows a writer killed in the middle of a write (what it had reserved is counted still).
+
         Returns:
-            ``{"filled": the number of items stored, "nbytes": their size in bytes, "hits", "misses": reads by
-            get_or_compute that found or missed their item, "computed": items computed by get_or_compute and fill,
-            "refused": items computed but not stored (budget or fault)}``; the counts are those of all the processes
-            that used the store, gone ones included. A persistent store counts since its current run began (its
-            first user after none), and adds ``"reused"``: the items written by an earlier run that this run used.
+            ``{"filled": the number of items stored (with the new ones being written), "nbytes": the bytes that
+            they occupy (with those of the writes under way, and of removed items that a mapping still pins), "hits",
+            "misses": reads by get_or_compute that found or missed their item, "computed": items computed by
+            get_or_compute and fill, "refused": items computed but not stored (budget or fault)}``; the counts are
+            those of all the processes that used the store, gone ones included. A persistent store counts since its
+            current run began (its first user after none), and adds ``"reused"``: the items written by an earlier
+            run that this run used. ``filled`` and ``nbytes`` are ``None`` if the count cannot be read.
         """
-        found = [] if self._at() is None else persist.items(self.directory)
-        return {"filled": len(found), "nbytes": sum(f[2] for f in found), **self._counters.total()}
+        filled: int | None = 0
+        nbytes: int | None = 0
+        if self._at() is not None:
+            try:
+                nbytes, filled = self._used.read(self._dead_writes)
+            except OSError:
+                nbytes = filled = None
+        return {"filled": filled, "nbytes": nbytes, **self._counters.total()}
 
     def process_stats(self) -> dict[str, int]:
         """

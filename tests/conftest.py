@@ -58,6 +58,7 @@ _SPAWN = (
     "tests/test_cachedataset_runtime_cache.py::TestRuntimeCache::test_container_sized_in_workers",
     "tests/test_cachedataset_runtime_cache.py::TestRuntimeCache::test_set_data_resyncs_the_same_container",
     "tests/test_cachedataset_runtime_cache.py::TestRuntimeCache::test_worker_warning",
+    "tests/fork/test_runtime_cache_extended.py::TestWorkerWarning::test_worker_warning_from_a_real_worker",
     "tests/test_create_shared_cache.py::TestCreateSharedCache::test_without_a_process_group_a_local_store",
 )
 

@@ -532,10 +532,11 @@ class TestDistributed(ManagerTestCase):
 
 
 class TestWorkerWarning(unittest.TestCase):
-    """The warning of runtime_cache=True, read from a real DataLoader worker's standard error (fd 2)."""
+    """The warning of a private list (True, "thread"), read from a real DataLoader worker's standard error (fd 2)."""
 
-    def test_worker_warning_from_a_real_worker(self):
-        ds, saved = CacheDataset(DATA, Load(), runtime_cache=True), os.dup(2)
+    @parameterized.expand([(True,), ("thread",), ("threads",)])
+    def test_worker_warning_from_a_real_worker(self, value):
+        ds, saved = CacheDataset(DATA, Load(), runtime_cache=value), os.dup(2)
         self.addCleanup(os.close, saved)
         self.addCleanup(os.dup2, saved, 2)  # first: the standard error of the test back
         with tempfile.TemporaryFile() as err, warnings.catch_warnings():
@@ -546,6 +547,7 @@ class TestWorkerWarning(unittest.TestCase):
             text = os.pread(err.fileno(), 1 << 16, 0).decode()
         self.assertEqual(got, DATA, text)
         self.assertEqual(text.count("is filled in a DataLoader worker"), 1, text)
+        self.assertIn(f"CacheDataset(runtime_cache={value!r}) is filled in a DataLoader worker", text)  # as given
 
 
 class TestKeys(unittest.TestCase):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -197,6 +198,17 @@ class TestPersistentStore(DistTestCase):
         np.testing.assert_array_equal(store.get("whole"), np.arange(50_000))
         self.assertIsNone(store.get("torn"))  # a miss, and removed
         self.assertFalse(os.path.exists(torn))
+
+    def test_stores_of_the_guide_open_as_written(self):
+        """The stores of the guide's examples, in its order, under a temporary root; the parent of one stays refused."""
+        guide = Path(__file__).resolve().parents[2] / "docs" / "source" / "caching_persistent.rst"
+        code = re.compile(r'^    store = SharedCacheStore\("(/[^"]+)", persistent=True', re.MULTILINE)
+        shown = code.findall(guide.read_text())
+        self.assertGreaterEqual(len(shown), 2)
+        for path in shown:
+            SharedCacheStore(self.tmp + path, persistent=True).close()
+        with self.assertRaisesRegex(ValueError, "holds .* and no store kept across runs"):  # the safety check holds
+            SharedCacheStore(os.path.dirname(self.tmp + shown[0]), persistent=True)
 
     def test_leftover_cleaner_keeps_persistent_stores(self):
         kept = self.open()

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import shutil
 import signal
@@ -23,7 +25,7 @@ import torch
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader, SharedCacheStore
-from monai.transforms import Compose
+from monai.transforms import Compose, Transform
 from monai_sharedcache import counters as cache_counters
 from tests import test_cachedataset_fill as core
 from tests.test_cachedataset_fill import FORK, TIMEOUT, AddOne, Load, N, computations, needs_fork, needs_store
@@ -35,6 +37,60 @@ NO_EVENTS = {"hits": 0, "misses": 0, "computed": 0, "refused": 0}
 
 def counts(stats: dict) -> dict:
     return {k: stats[k] for k in NO_EVENTS}
+
+
+class Big(Transform):
+    """An item of 128 KiB: past the cap of a small store."""
+
+    def __call__(self, i: int) -> dict:
+        return {"i": i, "img": torch.zeros(32 << 10)}
+
+
+class _Listing:
+    """An iterator of ``os.scandir`` that counts the entries it yields."""
+
+    def __init__(self, it, seen: Counter) -> None:
+        self.it, self.seen = it, seen
+
+    def __enter__(self) -> _Listing:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.it.close()
+
+    def close(self) -> None:
+        self.it.close()
+
+    def __iter__(self):
+        for entry in self.it:
+            self.seen["listed"] += 1
+            yield entry
+
+
+@contextlib.contextmanager
+def file_system_calls():
+    """The directory entries listed by ``os.scandir``, and the calls of ``os.stat``, ``lstat`` and ``fstat``."""
+    seen: Counter = Counter()
+    scandir, stats = os.scandir, {name: getattr(os, name) for name in ("stat", "lstat", "fstat")}
+
+    def counted(name: str):
+        def call(*args, **kwargs):
+            seen[name] += 1
+            return stats[name](*args, **kwargs)
+
+        return call
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch("os.scandir", lambda *a, **k: _Listing(scandir(*a, **k), seen)))
+        for name in stats:
+            stack.enter_context(mock.patch(f"os.{name}", counted(name)))
+        yield seen
+
+
+def _put_and_die(store: SharedCacheStore) -> None:
+    """In a forked child: write an item, and die without any cleanup once it is written, before it is published."""
+    with mock.patch.object(type(store), "sealed", lambda self, fd: os.kill(os.getpid(), signal.SIGKILL)):
+        store.put("killed", torch.zeros(1000))
 
 
 def _count_and_die(store: SharedCacheStore, hits: int) -> None:
@@ -120,6 +176,105 @@ class TestStats(DistTestCase):
         self.assertEqual(train.cache_stats()["dataset"], {"capacity": N, "filled": N})
         self.assertEqual(val.cache_stats()["dataset"], {"capacity": 3, "filled": 1})
         self.assertEqual(val.cache_stats()["cache"]["filled"], N + 1)
+
+    @needs_store
+    def test_each_dataset_counts_its_own_events(self) -> None:
+        """A train and a validation dataset in one store: ``process`` has each one's events, ``cache`` the store's."""
+        store = self.runtime_cache("store", max_bytes=64 << 10)  # room for the items of train, not for those of val
+        train = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        val = CacheDataset([100, 101], Big(), runtime_cache=store, progress=False)
+        train.fill()
+        self.check_items(train)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the store's warning of items past its cap
+            for i in (0, 0, 1):
+                val[i]
+        mine = {"hits": N, "misses": 0, "computed": N, "refused": 0}
+        theirs = {"hits": 0, "misses": 3, "computed": 3, "refused": 3}
+        self.assertEqual(train.cache_stats()["process"], mine)
+        self.assertEqual(val.cache_stats()["process"], theirs)
+        whole = {k: mine[k] + theirs[k] for k in NO_EVENTS}
+        for ds in (train, val):
+            self.assertEqual(counts(ds.cache_stats()["cache"]), whole)
+        self.assertEqual(counts(store.process_stats()), whole)  # the store's events of this process: both datasets'
+        self.assertEqual(store.stats()["filled"], N)
+
+    @needs_store
+    def test_each_dataset_counts_its_own_reuse(self) -> None:
+        """In the second run of a persistent store, each dataset counts the items of the first run that it reused."""
+        path, log = os.path.join(self.tmp, "kept"), os.path.join(self.tmp, "log")
+        for _ in range(2):
+            store = SharedCacheStore(path, persistent=True)
+            try:
+                transform = Compose([Load(log), AddOne()])
+                train = CacheDataset(list(range(N)), transform, runtime_cache=store, progress=False)
+                val = CacheDataset([100, 101, 102], transform, runtime_cache=store, progress=False)
+                train.fill()
+                for _ in range(2):
+                    val[0]
+                stats = train.cache_stats(), val.cache_stats()
+            finally:
+                store.close()
+        self.assertEqual(stats[0]["process"], {**NO_EVENTS, "reused": N})
+        self.assertEqual(stats[1]["process"], {**NO_EVENTS, "hits": 2, "reused": 1})
+        self.assertEqual(stats[0]["cache"], {"filled": N + 1, "nbytes": stats[0]["cache"]["nbytes"], **NO_EVENTS,
+                                             "hits": 2, "reused": N + 1})  # fmt: skip
+        self.assertEqual(stats[0]["cache"], stats[1]["cache"])
+
+    @parameterized.expand([("temporary",), ("persistent",)])
+    @needs_store
+    def test_stats_read_no_item(self, kind: str) -> None:
+        """``stats()`` reads the store's counts: what it lists or stat's does not grow with the number of items."""
+        seen = []
+        for n in (2, 40):
+            if kind == "persistent":
+                store = SharedCacheStore(os.path.join(self.tmp, f"kept-{n}"), persistent=True)
+            else:
+                store = SharedCacheStore(root=self.tmp)
+            self.addCleanup(store.close)
+            for i in range(n):
+                self.assertTrue(store.put(f"{i:03d}", torch.zeros(16)))
+            store.discard(["000"])  # counted out
+            with file_system_calls() as calls:
+                stats = store.stats()
+            files = glob.glob(os.path.join(store.path, "*.item"))
+            self.assertEqual((stats["filled"], stats["nbytes"]), (n - 1, sum(map(os.path.getsize, files))))
+            seen.append(dict(calls))
+        self.assertEqual(seen[0], seen[1])
+
+    @needs_store
+    @needs_fork
+    def test_reservation_of_a_killed_writer_is_counted_out(self) -> None:
+        """A writer killed mid-write leaves its reservation counted: the next ``stats()`` counts the items again, once."""
+        store = self.runtime_cache("store")
+        self.assertTrue(store.put("kept", torch.zeros(16)))
+        child = FORK.Process(target=_put_and_die, args=(store,))  # type: ignore[union-attr]
+        child.start()
+        child.join(TIMEOUT)
+        if child.is_alive():
+            child.kill()
+            child.join(TIMEOUT)
+        self.assertEqual(child.exitcode, -signal.SIGKILL)
+        self.assertEqual(len(os.listdir(os.path.join(store.path, ".writes"))), 1)  # its reservation, unlocked
+        (item,) = glob.glob(os.path.join(store.path, "*.item"))
+        self.assertEqual((store.stats()["filled"], store.stats()["nbytes"]), (1, os.path.getsize(item)))
+        self.assertEqual(os.listdir(os.path.join(store.path, ".writes")), [])  # recounted once: no scan from now on
+
+    @needs_store
+    def test_cache_stats_read_no_item_of_other_datasets(self) -> None:
+        """``cache_stats()`` stats the dataset's own slots, however many items of others the store holds."""
+        seen = []
+        for n in (2, 40):
+            store = self.runtime_cache("store")
+            for i in range(n):
+                self.assertTrue(store.put(f"other-{i:03d}", torch.zeros(16)))
+            ds = CacheDataset([0, 1, 2], Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+            ds[0]
+            with file_system_calls() as calls:
+                stats = ds.cache_stats()
+            self.assertEqual((stats["dataset"]["filled"], stats["cache"]["filled"]), (1, n + 1))
+            seen.append(dict(calls))
+        self.assertEqual(seen[0], seen[1])
 
     def test_counts_without_a_runtime_cache(self) -> None:
         ds = self.dataset("eager", cache_rate=0.5)
