@@ -75,7 +75,7 @@ class _Unpickler(pickle.Unpickler):
     """
 
     def find_class(self, module: str, name: str) -> Any:
-        if name in _SAFE.get(module, ()):
+        if name in _SAFE.get(module, ()) and module in sys.modules:  # a module not loaded is not imported
             return super().find_class(module, name)
         loaded = sys.modules.get(module) if module.partition(".")[0] in ("monai", "torch") else None
         obj = vars(loaded).get(name) if loaded is not None else None  # no module __getattr__: it may import
