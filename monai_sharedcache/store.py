@@ -416,9 +416,11 @@ class SharedCacheStore(cache_store.SharedCacheStore):
     def put(self, key: str, item: Any) -> bool:
         name = self.file_stem(key) + ".item"
         turns = self._turns([name])  # whether this write replaces a copy is known only if writers take turns
+        self._room.stripe = _stripe(name) if turns else None  # its turn: this put may evict in its own stripe
         try:
             return self._put(key, item, name)
         finally:
+            self._room.stripe = None
             for turn in turns:
                 turn.close()
 
@@ -432,7 +434,7 @@ class SharedCacheStore(cache_store.SharedCacheStore):
         try:
             if self._turns_dir is None:
                 self._turns_dir = self.subdir(_TURNS)
-            for stripe in sorted({zlib.crc32(name.encode()) % _STRIPES for name in names}):
+            for stripe in sorted({_stripe(name) for name in names}):
                 turn = _flock.hold(self._turns_dir, str(stripe), wait=wait)
                 if turn is not None:
                     held.append(turn)
@@ -597,7 +599,9 @@ class SharedCacheStore(cache_store.SharedCacheStore):
             return 0, 0
 
     def _evict_one(self, name: str) -> int | None:
-        """Remove the item file ``name`` for room, unless a writer of its stripe is at work (this put, maybe)."""
+        """Remove the item file ``name`` for room, unless another writer of its stripe is at work."""
+        if _stripe(name) == getattr(self._room, "stripe", None):  # this put's turn, which is this thread's
+            return self._retire(name)
         turns = self._turns([name], wait=0.0)  # without waiting: this thread holds the count's lock
         if not turns:
             return None
@@ -794,6 +798,10 @@ class SharedCacheStore(cache_store.SharedCacheStore):
 def _check(name: str) -> None:
     if not _NAME.fullmatch(name):
         raise ValueError(f"a note's or record's name is 1 to 128 letters, digits, '_' or '-', got {name!r}.")
+
+
+def _stripe(name: str) -> int:
+    return zlib.crc32(name.encode()) % _STRIPES
 
 
 def _unlink(at: Any, name: str) -> None:

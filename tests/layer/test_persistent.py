@@ -30,6 +30,7 @@ from parameterized import parameterized
 from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
 from monai.transforms import Compose, RandomizableTransform, Transform
 from monai_sharedcache import persist
+from monai_sharedcache import store as layer_store
 from tests.test_utils import DistCall, DistTestCase
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
@@ -140,7 +141,13 @@ class TestPersistentStore(DistTestCase):
         store = self.open()
         self.assertEqual((store.get("a"), store.stats()["filled"]), (1, 2))  # both stayed, each for its version
 
-    def test_max_bytes_evicts_earlier_runs_least_recently_used_first(self):
+    @parameterized.expand([("stripes", None), ("one_stripe", 1)])
+    def test_max_bytes_evicts_earlier_runs_least_recently_used_first(self, _, stripes):
+        """With one stripe, every item shares the turn of the put that evicts it (with 128, a key did by chance)."""
+        if stripes is not None:
+            patcher = mock.patch.object(layer_store, "_STRIPES", stripes)
+            patcher.start()
+            self.addCleanup(patcher.stop)
         item = np.zeros(25_000)  # 200 kB
         store = self.open()
         for k in ("k0", "k1", "k2", "k3"):
