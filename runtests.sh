@@ -180,7 +180,7 @@ if [ -n "$upstream" ]; then
 fi
 
 if [ $unittests -eq 1 ]; then
-    ensure_deps torch numpy pytest pytest_timeout parameterized nibabel tqdm xxhash
+    ensure_deps torch numpy pytest pytest_timeout parameterized nibabel pydicom tqdm xxhash
     layout
     args=(-p no:cacheprovider --timeout=900)
     [ $quick -eq 1 ] && export QUICKTEST=True
