@@ -1,0 +1,84 @@
+# Copyright (c) MONAI Consortium
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#     http://www.apache.org/licenses/LICENSE-2.0
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+from __future__ import annotations
+
+import os
+import tempfile
+import unittest
+from multiprocessing import Manager
+
+import torch
+from parameterized import parameterized
+
+from monai.data import CacheDataset, DataLoader
+from monai.transforms import Compose, Transform
+
+DATA = list(range(8))
+
+
+class Load(Transform):
+    """Deterministic: appends each input that it computes to the file ``log``."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __call__(self, x):
+        with open(self.log, "a") as f:
+            f.write(f"{x}\n")
+        return torch.full((2, 3), float(x))
+
+
+def computed(log: str) -> list[int]:
+    with open(log) as f:
+        return sorted(int(x) for x in f.read().split())
+
+
+class TestCacheDatasetRuntimeCacheSize(unittest.TestCase):
+    def setUp(self):
+        self.manager = Manager()
+        self.addCleanup(self.manager.shutdown)
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.log = os.path.join(tmp.name, "log")
+
+    @parameterized.expand([(m, n) for m in ("list", "proxy") for n in (0, 3, 20)])
+    def test_resized_and_read_by_workers(self, mode, length):
+        """#5633: an empty, short or long container, read by DataLoader workers."""
+        cache = self.manager.list([None] * length) if mode == "proxy" else [None] * length
+        ds = CacheDataset(DATA, Compose([Load(self.log)]), cache_rate=0.5, runtime_cache=cache)
+        self.assertEqual(len(cache), 4)
+        workers = 2 if mode == "proxy" else 0  # a list is private to the process that fills it
+        loader = DataLoader(ds, batch_size=1, num_workers=workers, timeout=60 if workers else 0)
+        for _ in range(2):
+            self.assertEqual([int(b[0, 0, 0]) for b in loader], DATA)
+        self.assertEqual(computed(self.log), [0, 1, 2, 3] + [4, 4, 5, 5, 6, 6, 7, 7])  # the cached half once
+
+    def test_set_data_resizes(self):
+        cache = self.manager.list()
+        ds = CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache)
+        for data in (DATA[:3], DATA + [8, 9]):
+            ds.set_data(data)
+            self.assertEqual(len(cache), len(data))
+            self.assertEqual([int(ds[i][0, 0]) for i in range(len(data))], data)
+
+    @parameterized.expand([((None, None),), (range(3),), (b"xyz",)])
+    def test_not_resizable(self, cache):
+        with self.assertRaisesRegex(ValueError, f"length {len(cache)} .* cache_num=8; accepted"):
+            CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache)
+
+    def test_unknown_mode(self):
+        with self.assertRaisesRegex(ValueError, "'proc' names no mode; accepted"):
+            CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache="proc")
+
+
+if __name__ == "__main__":
+    unittest.main()
