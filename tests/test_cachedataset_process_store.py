@@ -24,7 +24,7 @@ import torch
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader
-from monai.data.cache_store import SharedCacheStore
+from monai_sharedcache import SharedCacheStore
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")

@@ -34,7 +34,7 @@ from fork_utils import TIMEOUT, end, run_forked, skip_if_quick, skip_unless_fork
 from parameterized import parameterized
 
 from monai.data import CacheDataset, SharedCacheStore
-from monai.data import _cache_locks as locks
+from monai_sharedcache import _locks as locks
 from monai.data import create_shared_cache
 from monai.transforms import Compose, RandomizableTransform, Transform
 from monai.utils import optional_import

@@ -9,13 +9,13 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The directory of a :py:class:`monai.data.cache_store.SharedCacheStore` and how its processes coordinate.
+The directory of a :py:class:`monai_sharedcache.SharedCacheStore` and how its processes coordinate.
 
 Whether a process still uses a store or writes a file cannot be told by pids across PID namespaces (containers that
 share ``/dev/shm``), so each is an ``fcntl.flock`` lock, which the kernel releases when its holder dies: using a store
-is a shared lock on ``<store>/.lock``, writing an item an exclusive lock on its temporary file in ``.tmp/``. A forked
-child closes the locks it inherits, so a DataLoader worker never keeps or removes a store. Without ``fcntl`` (Windows)
-:py:data:`AVAILABLE` is ``False``.
+is a shared lock on ``<store>/.lock``, computing an item an exclusive lock on ``<stem>.claim``, writing one on its
+temporary file in ``.tmp/``. A forked child closes the locks it inherits, so a DataLoader worker never keeps or removes
+a store. Without ``fcntl`` (Windows) :py:data:`AVAILABLE` is ``False``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ ENV_ROOT = "MONAI_CACHE_ROOT"
 PREFIX = "monai-cache-"
 LOCK_FILE, _NEW_LOCK = ".lock", ".lock-new"  # cleaners ignore a store whose creator still holds `.lock-new`
 MARK = ".monai-cache"  # in every directory that a store makes: no other directory is joined or removed
+KEEP = ".persistent"  # see mark_kept
 NETWORK_FS = ("nfs", "nfs4", "lustre", "fuse", "cifs", "smb3", "ceph", "glusterfs", "gpfs", "beegfs", "9p")
 _MOUNTINFO = "/proc/self/mountinfo"
 _WARNED: set[str] = set()
@@ -218,6 +219,8 @@ def join(d: Dir) -> Held:
 
 
 def _remove_if_unheld(d: Dir, patience: float = 0.0, lock: str = LOCK_FILE) -> bool:
+    if _exists(d, KEEP):  # never locked exclusively: a process that joins it meanwhile is never refused
+        return False
     deadline = time.monotonic() + patience
     while True:
         try:
@@ -231,6 +234,36 @@ def _remove_if_unheld(d: Dir, patience: float = 0.0, lock: str = LOCK_FILE) -> b
         if time.monotonic() > deadline:
             return False
         time.sleep(_POLL_MAX / 5)
+
+
+def _exists(d: Dir, name: str) -> bool:
+    try:
+        d.stat(name)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def mark_kept(d: Dir) -> None:
+    """
+    Make ``d``, empty or such a store already, a store that its last user and the cleaners keep. Its files are made
+    before its mark, so that an interrupted call leaves what the next one completes; ``ValueError`` if it holds more.
+    """
+    if _exists(d, MARK) and _exists(d, KEEP):
+        return
+    names = set(d.names())
+    if not names <= {KEEP, LOCK_FILE, ".tmp", MARK} or (MARK in names and KEEP not in names):
+        raise ValueError(
+            f"SharedCacheStore: {d.path!r} holds {sorted(names)[:3]} and no store kept across runs: give the path of "
+            "an empty directory, or of such a store."
+        )
+    for name in (KEEP, LOCK_FILE):
+        os.close(d.open(name, os.O_WRONLY | os.O_CREAT))
+    try:
+        os.mkdir(".tmp", 0o700, dir_fd=d.fd)
+    except FileExistsError:
+        pass
+    os.close(d.open(MARK, os.O_WRONLY | os.O_CREAT))
 
 
 def leave(d: Dir, held: Held) -> bool:
@@ -281,6 +314,8 @@ def cleanup_leftovers(root: str) -> list[str]:
     for path in found:
         try:
             d = Dir(path, mark=True)
+            if _exists(d, KEEP):
+                continue
             names = d.names()
             if LOCK_FILE in names:
                 done = _remove_if_unheld(d)

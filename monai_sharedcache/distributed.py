@@ -8,7 +8,10 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""One runtime cache per node for the ranks of a distributed job: :py:func:`create_shared_cache`."""
+"""
+One runtime cache per node for the ranks of a distributed job: :py:func:`create_shared_cache`, the one collective
+call of the package.
+"""
 
 from __future__ import annotations
 
@@ -17,11 +20,12 @@ import os
 import socket
 import warnings
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from monai.data.cache_store import SharedCacheStore
+from monai_sharedcache import budget
+from monai_sharedcache.store import SharedCacheStore
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -93,11 +97,14 @@ def create_shared_cache(
     node_id: str | None = None,
     timeout: float | None = None,
     reserve: int | None = None,
-    store_type: Callable[..., SharedCacheStore] = SharedCacheStore,
+    max_bytes: int | None = None,
+    path: str | os.PathLike | None = None,
+    persistent: bool = False,
 ) -> SharedCacheStore:
     """
-    Create one :py:class:`~monai.data.SharedCacheStore` per node for the ranks of ``group``, to pass to
-    ``CacheDataset(data, transform, runtime_cache=store)`` on every rank: the ranks of a node and their DataLoader
+    Create one :py:class:`~monai_sharedcache.SharedCacheStore` per node for the ranks of ``group``, to pass to
+    ``CacheDataset(data, transform, runtime_cache=store, hash_func=store.hash_func,
+    hash_transform=store.hash_transform)`` on every rank: the ranks of a node and their DataLoader
     workers share it, so every item is computed once per node and held once in its memory.
 
     The ranks exchange their node identities and CPUs (small objects over ``all_gather_object``; no data); the lowest
@@ -122,17 +129,22 @@ def create_shared_cache(
             the group's own. With a subgroup, which must then be a gloo group, a ``monitored_barrier`` waits that
             long for the ranks to arrive; the exchange after it waits as long as the subgroup's own timeout.
         reserve: bytes that each store keeps free for the DataLoader's shared memory; see ``SharedCacheStore``.
-        store_type: what makes the stores, called as ``store_type(root=root, reserve=reserve)`` on the lowest rank of
-            each node and ``store_type(path, reserve=reserve)`` on the others.
+        max_bytes: a cap on the total size of each node's store (the value of the lowest rank of each node counts).
+        path: with ``persistent=True``, the directory of each node's store, kept across runs (the value of the lowest
+            rank of each node counts). It must be on the node: on a file system that several nodes share, give each
+            node a path of its own, such as ``f"/shared/cache/{socket.gethostname()}"``.
+        persistent: keep each node's store in ``path`` for later runs, see :py:class:`SharedCacheStore`.
 
     Returns:
         this rank's handle of its node's store; ``close()`` it when done, or let it close at exit. Its ``node_cpus`` is
-        this rank's share of the node's CPUs, the threads that ``CacheDataset.fill`` computes with by default.
+        this rank's share of the node's CPUs, the threads that :py:func:`monai_sharedcache.fill` computes with by
+        default.
 
     Raises:
         NotImplementedError: without ``fcntl`` (Windows), on every rank before any collective call.
-        ValueError: a bad ``timeout`` or ``reserve``, this process is not in ``group``, or ``timeout`` with a subgroup
-            that is not a gloo group.
+        ValueError: a bad ``timeout``, ``reserve`` or ``max_bytes``; ``path`` and ``persistent=True`` are not given
+            together, or with ``root``; this process is not in ``group``, or ``timeout`` with a subgroup that is not
+            a gloo group.
         RuntimeError: on every rank, if a store could not be made on any rank; the message names them.
 
     Example:
@@ -140,20 +152,37 @@ def create_shared_cache(
 
             dist.init_process_group("gloo")  # under torchrun, say
             store = create_shared_cache()  # every rank, once
-            ds = CacheDataset(data, transform, runtime_cache=store)
+            ds = CacheDataset(
+                data, transform, runtime_cache=store, hash_func=store.hash_func, hash_transform=store.hash_transform
+            )
             loader = DataLoader(ds, batch_size=2, num_workers=2, sampler=DistributedSampler(ds))
     """
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
     if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, numbers.Integral) or reserve < 0):
         raise ValueError(f"reserve must be None or a non-negative number of bytes, got {reserve!r}.")  # every rank
-    if not (SharedCacheStore.supported and getattr(store_type, "supported", True)):
+    max_bytes = budget.check_bytes("max_bytes", max_bytes)  # on every rank, before any collective
+    if (path is None) == bool(persistent) or (persistent and root is not None):
+        raise ValueError(
+            "create_shared_cache: path (the directory of a store kept across runs) goes with persistent=True, and "
+            f"root (where temporary stores are made) without it; got path={path!r}, persistent={persistent!r}, "
+            f"root={root!r}."
+        )
+
+    def make(joined: str | None = None, *, root: Any = None, reserve: int | None = None) -> SharedCacheStore:
+        if joined is not None:  # the other ranks of the node join the store of its lowest rank
+            return SharedCacheStore(joined, reserve=reserve)
+        if persistent:
+            return SharedCacheStore(path, persistent=True, reserve=reserve, max_bytes=max_bytes)
+        return SharedCacheStore(root=root, reserve=reserve, max_bytes=max_bytes)
+
+    if not SharedCacheStore.supported:
         raise NotImplementedError(
             "create_shared_cache needs SharedCacheStore, which needs fcntl file locks, missing on this platform. Give "
             "each rank its own cache instead: CacheDataset(..., runtime_cache=False) or runtime_cache='process'."
         )
     if not (dist.is_available() and dist.is_initialized()):
-        return store_type(root=root, reserve=reserve)
+        return make(root=root, reserve=reserve)
     if dist.get_rank(group) < 0:
         raise ValueError("create_shared_cache: this process is not a member of `group`.")
     node = str(node_id) if node_id is not None else os.environ.get(NODE_ID_ENV) or socket.gethostname()
@@ -169,7 +198,7 @@ def create_shared_cache(
         created: tuple[str, str] | None = None
         if me == creator:
             try:
-                store = store_type(root=root, reserve=reserve)
+                store = make(root=root, reserve=reserve)
                 created = (_OK, store.path)
             except Exception as err:  # every rank must learn of it, and none may hang waiting for a path
                 created = (
@@ -183,19 +212,19 @@ def create_shared_cache(
             raise RuntimeError("create_shared_cache failed on every rank: " + "; ".join(failed))
         attached: tuple[str, str] = (_OK, "")
         if me != creator:
-            path = outcomes[creator][1]
+            joined = outcomes[creator][1]
             try:
-                store = store_type(path, reserve=reserve)
+                store = make(joined, reserve=reserve)
             except Exception as err:  # no store there (its creator had no room), or another machine: one of its own
                 warnings.warn(
-                    f"create_shared_cache: cannot join {path!r}, the store of rank {creator} ({type(err).__name__}: "
+                    f"create_shared_cache: cannot join {joined!r}, the store of rank {creator} ({type(err).__name__}: "
                     f"{err}); this rank uses a store of its own. Ranks with one node identity must run on one machine "
-                    f"and see the same {os.path.dirname(path)}: set node_id or ${NODE_ID_ENV} to tell machines apart.",
+                    f"and see the same {os.path.dirname(joined)}: set node_id or ${NODE_ID_ENV} to tell machines apart.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
                 try:
-                    store = store_type(root=root, reserve=reserve)
+                    store = make(root=root, reserve=reserve)
                 except Exception as err:
                     attached = (_ERROR, f"cannot create a store in {root or 'the default root'}: {err!r}")
         # 3. every rank has registered as a participant before any rank returns (and may close)

@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The item files of :py:class:`monai.data.cache_store.SharedCacheStore`: a prefix, the key (checked on read), a table of
+The item files of :py:class:`monai_sharedcache.SharedCacheStore`: a prefix, the key (checked on read), a table of
 buffers, the protocol-5 pickle stream, then the bytes of each array or CPU tensor, 64-byte aligned, so that a reader's
 private mapping of the file gives them as views, with no copy.
 """
@@ -23,7 +23,7 @@ import os
 import pickle
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import numpy as np
@@ -31,7 +31,7 @@ import torch
 
 MISS = object()  # what `decode` returns for the file of another key
 _MAGIC = b"\x89MONAI\r\n"
-VERSION = 2  # 2: numpy dtypes and scalars by their description, read with the allow-list
+VERSION = 3  # 2: numpy dtypes and scalars by their description; 3: rebuilt by this module of the package
 _PREFIX = struct.Struct("<8sHHIQIIQ")  # magic, version, flags, header_len, total_len, key_len, n_buffers, pickle_len
 _ENTRY = struct.Struct("<QQ")
 _ALIGN = 64
@@ -53,11 +53,12 @@ _SAFE = {
     "pydicom.uid": {"UID"},  # a str: the meta of MONAI's DICOM reader holds it (prune_metadata=False)
     __name__: {"_rebuild_tensor", "_rebuild_ndarray", "_rebuild_scalar", "_numpy_dtype"},
 }
-ALLOW = "To allow a type: torch.serialization.add_safe_globals([YourType]), or the store's weights_only=False."
+ALLOW = "To allow a type: torch.serialization.add_safe_globals([YourType]) where the store is made, or the store's "
+ALLOW += "weights_only=False."
 
 
 class CorruptItemError(Exception):
-    pass
+    ino: int | None = None  # of the file found damaged, where known
 
 
 class UnsafeTypeError(pickle.UnpicklingError):
@@ -70,9 +71,11 @@ class OffCpuError(TypeError):
 
 class _Unpickler(pickle.Unpickler):
     """
-    Only the callables of ``_SAFE``, MONAI's enums and tensor types, torch's dtypes and those of ``add_safe_globals``:
-    reading imports no module and calls nothing else.
+    Only the callables of ``_SAFE``, MONAI's enums and tensor types, torch's dtypes, those of ``add_safe_globals``
+    and the store's own (``allowed``): reading imports no module and calls nothing else.
     """
+
+    allowed: dict[str, Any] = {}  # by the name that a pickle gives
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _SAFE.get(module, ()) and module in sys.modules:  # a module not loaded is not imported
@@ -81,6 +84,8 @@ class _Unpickler(pickle.Unpickler):
         obj = vars(loaded).get(name) if loaded is not None else None  # no module __getattr__: it may import
         if isinstance(obj, torch.dtype) or isinstance(obj, type) and issubclass(obj, (enum.Enum, torch.Tensor)):
             return obj
+        if f"{module}.{name}" in self.allowed:
+            return self.allowed[f"{module}.{name}"]
         for safe in torch.serialization.get_safe_globals():
             found, qualname = safe if isinstance(safe, tuple) else (safe, f"{safe.__module__}.{safe.__qualname__}")
             if qualname == f"{module}.{name}":
@@ -103,8 +108,50 @@ def _rebuild_scalar(spec: Any, raw: bytes) -> Any:
     return np.frombuffer(raw, dtype=_numpy_dtype(spec), count=1)[0]
 
 
-def loads(stream: Any, buffers: list, weights_only: bool) -> Any:
-    return (_Unpickler if weights_only else pickle.Unpickler)(io.BytesIO(stream), buffers=buffers).load()
+def loads(stream: Any, buffers: list, weights_only: bool, allowed: dict[str, Any] | None = None) -> Any:
+    if not weights_only:
+        return pickle.Unpickler(io.BytesIO(stream), buffers=buffers).load()
+    unpickler = _Unpickler(io.BytesIO(stream), buffers=buffers)
+    unpickler.allowed = allowed or {}
+    return unpickler.load()
+
+
+def named_types(entries: Iterable) -> dict[str, Any]:
+    """The entries of ``add_safe_globals`` (a type, or ``(type, name)``) by the name that a pickle gives them."""
+    named = {}
+    for entry in entries:
+        obj, name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
+        named[name] = obj
+    return named
+
+
+def carry_types(allowed: dict[str, Any]) -> tuple[bytes, ...]:
+    """
+    ``allowed`` and the types of ``add_safe_globals`` here, each pickled with its name (a class by reference), for a
+    store pickled to another process; one that pickle cannot store (a class defined in a function) is left out.
+    """
+    carried = []
+    for named in {**allowed, **named_types(torch.serialization.get_safe_globals())}.items():
+        try:
+            carried.append(pickle.dumps(named))
+        except Exception:
+            pass
+    return tuple(carried)
+
+
+def carried_types(carried: tuple[bytes, ...]) -> dict[str, Any]:
+    """
+    The types of :py:func:`carry_types`, from the store's own pickle (as trusted as the dataset that holds it), but
+    those that this process cannot import: their items are refused, and named.
+    """
+    found = {}
+    for data in carried:
+        try:
+            name, obj = pickle.loads(data)
+        except Exception:
+            continue
+        found[name] = obj
+    return found
 
 
 def _plain_state(cls: type) -> bool:
@@ -170,17 +217,19 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def encode(key: str, item: Any, weights_only: bool = True) -> tuple[list[tuple[int, memoryview]], int]:
+def encode(
+    key: str, item: Any, weights_only: bool = True, allowed: dict[str, Any] | None = None
+) -> tuple[list[tuple[int, memoryview]], int]:
     """
     The ``(offset, bytes)`` chunks of the file of ``item`` under ``key``, and its length; raises if pickle fails, or
-    (``weights_only``) if the item cannot be read back (``UnsafeTypeError``).
+    (``weights_only``) if the item cannot be read back (``UnsafeTypeError``) with the types ``allowed`` too.
     """
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
     _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(item)
     body, raws = stream.getbuffer(), [b.raw() for b in buffers]
     if weights_only:  # what the readers would refuse is not stored: no item computed and written on every read
-        loads(body, raws, weights_only)
+        loads(body, raws, weights_only, allowed)
     key_bytes = key.encode("utf-8", "surrogatepass")
     header_len = _align(_PREFIX.size + len(key_bytes) + _ENTRY.size * len(raws))
     total, table = header_len + body.nbytes, []
@@ -204,8 +253,16 @@ def write_item(fd: int, chunks: list[tuple[int, memoryview]]) -> None:
             data, offset = data[n:], offset + n
 
 
-def read_file(d: Any, name: str, map_large: Callable[[int, os.stat_result, str], memoryview]) -> tuple[memoryview, int]:
-    """A private view of the file ``name`` in the directory ``d``, checked before a byte is read, and its inode."""
+def read_file(
+    d: Any,
+    name: str,
+    map_large: Callable[[int, os.stat_result, str], memoryview],
+    verify: Callable[[int, os.stat_result, memoryview], bool] | None = None,
+) -> tuple[memoryview, int]:
+    """
+    A private view of the file ``name`` in the directory ``d``, checked before a byte is read, and its inode;
+    ``CorruptItemError`` if ``verify(fd, status, view)`` finds it other than written.
+    """
     found = d.open_checked_stat(name)
     if found is None:
         raise PermissionError(errno.EPERM, "a link, or not a private file: not an item the store wrote", name)
@@ -217,16 +274,22 @@ def read_file(d: Any, name: str, map_large: Callable[[int, os.stat_result, str],
             view, got = memoryview(cast(Any, arr[start : start + st.st_size])), 0
             while got < st.st_size and (n := os.readv(fd, [view[got:]])):
                 got += n
-            return view[:got], st.st_ino
-        return map_large(fd, st, name), st.st_ino
+            view = view[:got]
+        else:
+            view = map_large(fd, st, name)
+        if verify is not None and not verify(fd, st, view):
+            err = CorruptItemError(f"{name}: its bytes are not those written")
+            err.ino = st.st_ino
+            raise err
+        return view, st.st_ino
     finally:
         os.close(fd)
 
 
-def decode(buf: memoryview, key: str, weights_only: bool = True) -> Any:
+def decode(buf: memoryview, key: str, weights_only: bool = True, allowed: dict[str, Any] | None = None) -> Any:
     """
     The item in the file content ``buf``, or ``MISS`` if it holds another key; raises ``CorruptItemError``, or
-    (``weights_only``) ``UnsafeTypeError`` for a type that the allow-list leaves out.
+    (``weights_only``) ``UnsafeTypeError`` for a type that the allow-list and ``allowed`` leave out.
     """
     if buf.nbytes < _PREFIX.size:
         raise CorruptItemError("truncated header")
@@ -245,7 +308,7 @@ def decode(buf: memoryview, key: str, weights_only: bool = True) -> Any:
             raise CorruptItemError("bad buffer table")
         buffers.append(buf[offset : offset + length])
     try:
-        return loads(buf[header_len : header_len + pickle_len], buffers, weights_only)
+        return loads(buf[header_len : header_len + pickle_len], buffers, weights_only, allowed)
     except UnsafeTypeError:
         raise
     except (pickle.UnpicklingError, EOFError, struct.error) as err:
