@@ -11,7 +11,8 @@
 """
 The ``flock`` locks of a store's own files beside its items (its counts, sessions and evictions).
 
-As in :py:mod:`monai_sharedcache._locks`, who is alive is known from locks that the kernel releases when a process dies, in any PID namespace.
+As in :py:mod:`monai_sharedcache._locks`, who is alive is known from locks that the kernel releases when a process
+dies, in any PID namespace.
 A lock is held on a descriptor that a forked child closes at once, so a DataLoader worker never holds its parent's.
 """
 

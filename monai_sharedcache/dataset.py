@@ -61,8 +61,7 @@ def _cached(dataset: Any) -> list[tuple[int, str]]:
 
 def _computer(dataset: Any) -> Any:
     """What ``CacheDataset`` caches for an index: its transforms up to the first random one, as it computes them."""
-    from monai.transforms import RandomizableTrait, Transform
-    from monai.utils import convert_to_contiguous
+    from monai.transforms import RandomizableTrait, Transform, convert_to_contiguous
 
     first = dataset.transform.get_index_of_first(
         lambda t: isinstance(t, RandomizableTrait) or not isinstance(t, Transform)
@@ -225,7 +224,11 @@ def cache_stats(dataset: Any) -> dict[str, dict[str, Any]]:
     keys = [key for _, key in _cached(dataset)]
     if isinstance(cache, SharedCacheStore):
         dataset_stats = {"capacity": len(keys), "filled": cache.count(keys)}
-        return {"process": cache.process_stats(keys[0] if keys else None), "dataset": dataset_stats, "cache": cache.stats()}
+        return {
+            "process": cache.process_stats(keys[0] if keys else None),
+            "dataset": dataset_stats,
+            "cache": cache.stats(),
+        }
     none: dict[str, Any] = {"hits": None, "misses": None, "computed": None, "refused": None}
     if isinstance(cache, dict):
         filled = sum(key in cache for key in keys)

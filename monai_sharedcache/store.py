@@ -37,6 +37,7 @@ import hashlib
 import json
 import numbers
 import os
+import pickle
 import re
 import secrets
 import stat
@@ -470,13 +471,13 @@ class SharedCacheStore:
 
     def __reduce__(self) -> tuple:
         args = (type(self), self._path, self._claim_timeout, self._ident, self.reserve, self.weights_only)
-        state = (fmt.carry_types(self._allowed), self._keyed, self._tags)  # the types allowed here, the key functions'
+        state = (fmt.carry_types(self._allowed), self._keyed, _carry_tags(self._tags))
         return _attach, (*args, self.max_bytes, self._session), state
 
     def __setstate__(self, state: tuple) -> None:
         allowed, self._keyed, tags = state
         self._allowed = fmt.carried_types(allowed)
-        self._tags = {tag: _Tag(known.operations, known.counts.fields == counters.FIELDS) for tag, known in tags.items()}  # counts start anew here
+        self._tags = _carried_tags(tags, self._session is not None)
 
     # the keyed cache of CacheDataset: get(key), store[key] = item
 
@@ -1378,6 +1379,31 @@ def _operation_ids(cached: list) -> Any:
     from monai_sharedcache.operations import OperationIds
 
     return OperationIds(cached)
+
+
+def _carry_tags(tags: dict[str, _Tag]) -> dict[str, bytes]:
+    """
+    The transforms of each tag, pickled for a store pickled to a DataLoader worker (their items invert there too);
+    transforms that pickle cannot store are left out (the dataset that holds them would not pickle either).
+    """
+    carried = {}
+    for tag, known in tags.items():
+        try:
+            carried[tag] = pickle.dumps(known.operations)
+        except Exception:
+            pass
+    return carried
+
+
+def _carried_tags(carried: dict[str, bytes], persistent: bool) -> dict[str, _Tag]:
+    """The tags of :py:func:`_carry_tags`, from the store's own pickle, each with counts of this process."""
+    tags = {}
+    for tag, data in carried.items():
+        try:
+            tags[tag] = _Tag(pickle.loads(data), persistent)
+        except Exception:  # a transform that this process cannot import: its items keep their places
+            pass
+    return tags
 
 
 def _need_keyed() -> None:

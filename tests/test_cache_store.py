@@ -30,8 +30,8 @@ import torch
 from parameterized import parameterized
 
 from monai.data import MetaTensor
-from monai_sharedcache import _locks as locks
 from monai_sharedcache import SharedCacheStore
+from monai_sharedcache import _locks as locks
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 TIMEOUT = 120

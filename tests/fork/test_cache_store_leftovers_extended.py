@@ -22,8 +22,8 @@ import tempfile
 import unittest
 from unittest import mock
 
-from monai_sharedcache import _locks as locks
 from monai_sharedcache import SharedCacheStore
+from monai_sharedcache import _locks as locks
 from tests.test_cache_store import LONG, StoreTestCase, _backdate, needs_store
 
 

@@ -28,8 +28,8 @@ from unittest import mock
 import numpy as np
 from parameterized import parameterized
 
-from monai_sharedcache import _format as fmt
 from monai_sharedcache import SharedCacheStore
+from monai_sharedcache import _format as fmt
 from tests.test_cache_store import TIMEOUT, StoreTestCase, needs_store
 
 

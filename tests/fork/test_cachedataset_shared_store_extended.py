@@ -24,9 +24,9 @@ import unittest
 import torch
 
 from monai.data import CacheDataset, MetaTensor
-from monai_sharedcache import _format as fmt
-from monai_sharedcache import SharedCacheStore
 from monai.transforms import Compose
+from monai_sharedcache import SharedCacheStore
+from monai_sharedcache import _format as fmt
 from tests.test_cachedataset_shared_store import TIMEOUT, AddOne, Load, TestSharedStore, needs_store
 
 

@@ -68,12 +68,12 @@ from fork_utils import (
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader, MetaTensor, PydicomReader, SharedCacheStore
-from monai_sharedcache import _format as fmt
-from monai_sharedcache import _locks as locks
-from monai_sharedcache import store as cache_store
 from monai.data.utils import pickle_hashing, set_rnd
 from monai.transforms import Compose, LoadImage, Transform
 from monai.utils import optional_import
+from monai_sharedcache import _format as fmt
+from monai_sharedcache import _locks as locks
+from monai_sharedcache import store as cache_store
 
 get_testdata_file, has_pydicom = optional_import("pydicom.data", name="get_testdata_file")
 UID, _ = optional_import("pydicom.uid", name="UID")

@@ -25,11 +25,10 @@ import torch
 import torch.distributed as dist
 
 import monai_sharedcache
-from monai.data import CacheDataset, DataLoader, SharedCacheStore
-from monai.data import cache_store as core
-from monai.data import create_shared_cache
+from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
 from monai.transforms import Compose, Lambda
 from monai_sharedcache import _pool as pool
+from monai_sharedcache import store as core
 from tests.test_utils import DistCall, DistTestCase
 
 needs_store = unittest.skipUnless(core.SharedCacheStore.supported, "SharedCacheStore needs fcntl")

@@ -114,7 +114,9 @@ class TestLayering(unittest.TestCase):
         moved = ("cache_store.py", "shared_cache.py", "_cache_format.py", "_cache_locks.py")
         self.assertEqual([p for p in (ROOT / "monai").rglob("*.py") if p.name in moved], [])
         fork_only = ("monai.data.cache_store", "monai.data.shared_cache")
-        found = [f"{f.name}: {m}" for f in sorted((ROOT / LAYER).rglob("*.py")) for m, _ in imports(f) if m in fork_only]
+        found = [
+            f"{f.name}: {m}" for f in sorted((ROOT / LAYER).rglob("*.py")) for m, _ in imports(f) if m in fork_only
+        ]
         self.assertEqual(found, [])
 
     def test_the_check_sees_a_private_name(self):
