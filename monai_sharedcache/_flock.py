@@ -9,9 +9,10 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The ``flock`` locks of the layer's own files in a store (its counts, sessions and evictions).
+The ``flock`` locks of a store's own files beside its items (its counts, sessions and evictions).
 
-As in the core, who is alive is known from locks that the kernel releases when a process dies, in any PID namespace.
+As in :py:mod:`monai_sharedcache._locks`, who is alive is known from locks that the kernel releases when a process
+dies, in any PID namespace.
 A lock is held on a descriptor that a forked child closes at once, so a DataLoader worker never holds its parent's.
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 
 try:
     import fcntl
-except ImportError:  # Windows: the core's store is not available there, nor is this layer's
+except ImportError:  # Windows: no store there
     fcntl = None  # type: ignore[assignment]
 
 _HELD: weakref.WeakSet[Held] = weakref.WeakSet()
@@ -37,7 +38,7 @@ def _close_all() -> None:
         held.close()
 
 
-if hasattr(os, "register_at_fork"):  # a module of the layer's store, imported at a store's first use
+if hasattr(os, "register_at_fork"):  # a module of the store, imported at a store's first use
     os.register_at_fork(after_in_child=_close_all)
 
 

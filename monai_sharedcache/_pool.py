@@ -20,7 +20,7 @@ the mapping for the next read of the same unchanged file; a mapping reused once 
 later hits take no fault. A written mapping is always unmapped, so every reader still gets a private, pristine copy.
 
 It needs Linux (``/proc/self/pagemap``) and libc's ``mmap`` through ``ctypes``, and turns itself off elsewhere, or
-with ``MONAI_CACHE_FAST_PATH=0``: reads then map each file afresh (the core store's own reads).
+with ``MONAI_CACHE_FAST_PATH=0``: reads then map each file afresh (the store's plain reads).
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from monai.data.cache_store import SharedCacheStore
-from monai_sharedcache import _flock
+from monai_sharedcache import _flock, _locks
 from monai_sharedcache import _pages as pages
 
 _LIBC: Any = None
@@ -192,10 +191,10 @@ def __getattr__(name: str) -> Any:
     """``ENABLED``, decided at its first use (a store's first read), never at import: nothing loads libc before."""
     if name != "ENABLED":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # the one place that decides: Linux (page tables in /proc/self/pagemap), fcntl's ioctl (the core's platform
+    # the one place that decides: Linux (page tables in /proc/self/pagemap), fcntl's ioctl (the store's platform
     # decision) and libc's mmap, unless turned off
     enabled = sys.platform.startswith("linux") and os.environ.get("MONAI_CACHE_FAST_PATH", "1") != "0"
-    enabled = enabled and SharedCacheStore.supported
+    enabled = enabled and _locks.AVAILABLE
     globals()["ENABLED"] = enabled = enabled and _libc() is not None
     if enabled and hasattr(os, "register_at_fork"):  # the pool is used from now on
         os.register_at_fork(after_in_child=POOL.after_fork_in_child)

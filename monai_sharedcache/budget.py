@@ -11,7 +11,7 @@
 """
 A cap on a store's size (``max_bytes``), and the budget that a store's creator records for all its users.
 
-The core's store keeps a reserve free on its file system, each process by itself. The cap holds for the store, not
+A store keeps a reserve free on its file system, each process by itself. The cap holds for the store, not
 per process: the bytes and the number of its items are counted in the store (``.used``, read and written under
 ``flock``), and a writer reserves an item's bytes (and the item, if new) there before it writes, so what one process
 writes every other one sees before its next write, and no operation lists the store's directory: the store's
@@ -133,7 +133,7 @@ class Used:
         """
         The bytes and the number of items counted, read from the count: no item is listed or stat'ed. The store is
         counted anew (once: a recount removes what the dead left) only if the count is off: without a count yet, whose
-        items no write of the layer ever counted, or if ``dead()``, a writer killed since its reservation.
+        items no write ever counted, or if ``dead()``, a writer killed since its reservation.
 
         Raises:
             OSError: the count cannot be locked, read or written.

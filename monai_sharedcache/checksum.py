@@ -12,9 +12,9 @@
 Checksums of the items of a persistent store on a disk.
 
 A disk can return other bytes than were written: a failing device, a file system repaired after a crash, a file
-restored in part. The core checks an item's header, lengths and pickle stream, not its array bytes. Here, the digest
+restored in part. The item format checks an item's header, lengths and pickle stream, not its array bytes. Here, the digest
 of the whole item file is kept in an extended attribute of the file (``user.monai.sum``), set on the temporary file
-before the core renames it into place, so that an item and its checksum are published together. The first read of an
+before the store renames it into place, so that an item and its checksum are published together. The first read of an
 item in a run (a session of the persistent store) checks it and records that it did (``user.monai.seen``: the
 session), so that the run's other processes trust it, and each process remembers the files it checked.
 

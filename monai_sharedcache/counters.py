@@ -169,5 +169,5 @@ def _after_fork_in_child() -> None:
 
 
 _ALL: weakref.WeakSet[Counters] = weakref.WeakSet()
-if hasattr(os, "register_at_fork"):  # a module of the layer, imported at a store's first use: never by `import monai`
+if hasattr(os, "register_at_fork"):  # a module of the store, imported at a store's first use: never by `import monai`
     os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -13,7 +13,7 @@ What keeps a store across runs: ``SharedCacheStore(path, persistent=True)``.
 
 A job ends often (a crash, a pod restarted, a node preempted, every run of a sweep), and a store that goes with its
 last user makes every restart compute the whole cache again. A persistent store lives in a directory that the user
-names, which the core keeps (``SharedCacheStore.mark_kept``): its last user and the cleaners of leftovers leave it.
+names, marked as kept (``_locks.mark_kept``): its last user and the cleaners of leftovers leave it.
 Its items outlive the runs, so four things must hold across them:
 
 - **never stale**: an item's file name includes the version of the item format and the MONAI version (see
@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from monai_sharedcache import _flock
+from monai_sharedcache import _locks as locks
 from monai_sharedcache import _memory as memory
 
 SESSION = ".session"  # its modification time is the start of the current session; it marks a persistent store
@@ -49,8 +50,8 @@ _WAIT = 10.0  # seconds to wait for the short exclusive locks of another process
 
 def version_tag() -> str:
     """
-    What a persistent store adds to every key: the MONAI version, which the core's item format goes with (a file of
-    another format is a miss anyway, and removed).
+    What a persistent store adds to every key: the MONAI version, which the item format goes with (a file of another
+    format is a miss anyway, and removed).
     """
     import monai  # imported by the time any store is used
 
@@ -60,15 +61,13 @@ def version_tag() -> str:
 def prepare(path: str) -> tuple[str, tuple[int, int]]:
     """
     Make ``path`` a persistent store unless it is one: its missing parents and itself made (mode ``0o700``), then
-    kept by the core. Its path without links (see :py:func:`resolve`), and the identity of its directory.
+    marked as kept. Its path without links (see :py:func:`resolve`), and the identity of its directory.
 
     Raises:
         ValueError: ``path`` is on a network file system, is named like a temporary store, or holds something else.
         PermissionError: ``path`` is not a private directory of this user, or goes through a link that another user
             made or could replace.
     """
-    from monai.data.cache_store import SharedCacheStore
-
     check_local(path)  # before anything is made
     if os.path.basename(path).startswith("monai-cache-"):  # the cleaners of temporary stores would remove it
         raise ValueError(
@@ -77,7 +76,7 @@ def prepare(path: str) -> tuple[str, tuple[int, int]]:
         )
     real, ident = resolve(path)
     try:
-        SharedCacheStore.mark_kept(real)
+        locks.mark_kept(locks.Dir(real))
     except PermissionError as err:
         if err.errno is None:  # the store's refusal of a directory that is not private: it says why
             raise
@@ -175,7 +174,7 @@ def check_local(path: str) -> None:
 
 def check_files(at: Any, names: tuple[str, ...]) -> None:
     """
-    Refuse (``PermissionError``) a persistent store in which a file ``names`` of the layer's own, or a file of its own
+    Refuse (``PermissionError``) a persistent store in which a file ``names`` of the store's own, or a file of its own
     directories, is a symbolic link, not this user's, or writable by others. No directory of items is listed.
     """
     for name in names:

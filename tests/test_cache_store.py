@@ -30,8 +30,8 @@ import torch
 from parameterized import parameterized
 
 from monai.data import MetaTensor
-from monai.data import _cache_locks as locks
-from monai.data.cache_store import SharedCacheStore
+from monai_sharedcache import SharedCacheStore
+from monai_sharedcache import _locks as locks
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 TIMEOUT = 120
@@ -245,7 +245,7 @@ def _slow_writer(store: SharedCacheStore, conn) -> None:
     real = os.pwrite  # each write of the item is of a page, and tells the parent that the temporary file exists
 
     def slow(fd: int, data, at: int) -> int:
-        if memoryview(data).nbytes <= 16:  # not the item: the store's count of bytes and items (the fork's layer)
+        if memoryview(data).nbytes < 64:  # not the item (its header is 64 bytes at least): the count of its bytes
             return real(fd, data, at)
         conn.send(1)
         time.sleep(0.01)

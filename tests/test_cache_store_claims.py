@@ -24,7 +24,7 @@ import warnings
 import numpy as np
 import torch
 
-from monai.data.cache_store import SharedCacheStore
+from monai_sharedcache import SharedCacheStore
 from tests.test_utils import skip_if_quick
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")

@@ -24,8 +24,8 @@ import torch
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader
-from monai.data.cache_store import SharedCacheStore
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
+from monai_sharedcache import SharedCacheStore
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 TIMEOUT = 120

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
-from monai.data.shared_cache import process_cpus, share_of_cpus
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
+from monai_sharedcache.distributed import process_cpus, share_of_cpus
 from tests.test_utils import DistCall, DistTestCase, skip_if_quick
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from parameterized import parameterized
 
-from monai.data.cache_store import SharedCacheStore
+from monai_sharedcache import SharedCacheStore
 from tests.test_cache_store import TIMEOUT, StoreTestCase, needs_store
 
 FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None

@@ -22,8 +22,8 @@ import tempfile
 import unittest
 from unittest import mock
 
-from monai.data import _cache_locks as locks
-from monai.data.cache_store import SharedCacheStore
+from monai_sharedcache import SharedCacheStore
+from monai_sharedcache import _locks as locks
 from tests.test_cache_store import LONG, StoreTestCase, _backdate, needs_store
 
 
@@ -97,8 +97,8 @@ class TestLeftoversExtended(StoreTestCase):
         kept = os.path.join(self.root, locks.PREFIX + "kept")  # named as a store, and as old as a crashed run's
         os.mkdir(kept, 0o700)
         os.close(os.open(os.path.join(kept, ".lock"), os.O_CREAT | os.O_WRONLY, 0o600))  # as an interrupted call left
-        SharedCacheStore.mark_kept(kept)
-        SharedCacheStore.mark_kept(kept)  # a store kept already: nothing to do
+        locks.mark_kept(locks.Dir(kept))
+        locks.mark_kept(locks.Dir(kept))  # a store kept already: nothing to do
         store = SharedCacheStore(kept)
         self.assertTrue(store.put("a", 1))
         with mock.patch.object(locks, "try_hold", wraps=locks.try_hold) as try_hold:
@@ -111,7 +111,7 @@ class TestLeftoversExtended(StoreTestCase):
         os.mkdir(mine, 0o700)
         open(os.path.join(mine, "notes.txt"), "w").close()
         with self.assertRaisesRegex(ValueError, "holds \\['notes.txt'\\] and no store kept"):
-            SharedCacheStore.mark_kept(mine)
+            locks.mark_kept(locks.Dir(mine))
         self.assertEqual(os.listdir(mine), ["notes.txt"])  # nothing made in it
 
     def test_not_on_a_network_file_system(self):

@@ -11,7 +11,7 @@
 
 """
 The tests of PR 02's reserve that do not fit its exported ``test_cache_store_reserve.py``: its default, one reserve per
-process, the environment variable, bad values, ``uncached`` and a store made at a freed store's address.
+process, the environment variable, bad values, a store without room to be made, and a store made at a freed store's address.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from unittest import mock
 import numpy as np
 from parameterized import parameterized
 
-from monai.data import _cache_format as fmt
-from monai.data.cache_store import SharedCacheStore
+from monai_sharedcache import SharedCacheStore
+from monai_sharedcache import _format as fmt
 from tests.test_cache_store import TIMEOUT, StoreTestCase, needs_store
 
 
@@ -94,16 +94,16 @@ class TestReserveExtended(StoreTestCase):
     def test_default_reserve_of_the_room_a_subclass_reports(self):
         with mock.patch.dict(os.environ, {"MONAI_CACHE_RESERVE_BYTES": ""}):
             store = self.new_store(_Narrow)
-        self.assertIsNone(store.room_for(2**20))  # 40 - 1 MiB >= 32 MiB: half of Docker's default /dev/shm
+        self.assertIsNone(store._room_for(2**20))  # 40 - 1 MiB >= 32 MiB: half of Docker's default /dev/shm
         self.assertTrue(store.put("fits", np.ones(2**20 // 8)))
-        self.assertIn("32 MiB are kept free", store.room_for(9 * 2**20))  # 40 - 9 MiB < 32 MiB
+        self.assertIn("32 MiB are kept free", store._room_for(9 * 2**20))  # 40 - 9 MiB < 32 MiB
         self.assertIn("32 MiB are kept free", self.refuse(store, np.ones(9 * 2**20 // 8)))
         with mock.patch.dict(os.environ, {"MONAI_CACHE_RESERVE_BYTES": ""}):
             plain = self.new_store()
         with mock.patch("os.statvfs") as statvfs:  # 5 GiB free of 256 GiB: at most 4 GiB are kept
             statvfs.return_value = mock.Mock(f_bavail=5 * 2**18, f_blocks=64 * 2**20, f_frsize=4096)
-            self.assertIsNone(plain.room_for(2**30 - 4096))
-            self.assertIn("4096 MiB are kept free", plain.room_for(2**30 + 4096))
+            self.assertIsNone(plain._room_for(2**30 - 4096))
+            self.assertIn("4096 MiB are kept free", plain._room_for(2**30 + 4096))
 
     def test_each_process_keeps_its_reserve(self):
         store = self.new_store(reserve=0)
@@ -137,8 +137,9 @@ class TestReserveExtended(StoreTestCase):
 
     def test_uncached(self):
         why = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        with self.assertWarnsRegex(RuntimeWarning, "cannot make or open the store"):
-            store = _Narrow.uncached(os.path.join(self.root, "kept"), why)
+        with mock.patch("monai_sharedcache.persist.prepare", side_effect=why):  # no room to make it
+            with self.assertWarnsRegex(RuntimeWarning, "cannot make or open the store"):
+                store = _Narrow(os.path.join(self.root, "kept"), persistent=True)
         self.assertIsInstance(store, _Narrow)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # warned once already

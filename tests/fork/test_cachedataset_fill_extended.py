@@ -25,8 +25,8 @@ from contextlib import redirect_stderr
 from parameterized import parameterized
 
 from monai.data import CacheDataset
-from monai.data.cache_store import SharedCacheStore
 from monai.transforms import Compose
+from monai_sharedcache import SharedCacheStore
 from tests.test_cachedataset_fill import AddOne, Load, N, TestFill, computations, needs_store
 from tests.test_utils import SkipIfNoModule
 
@@ -34,9 +34,9 @@ from tests.test_utils import SkipIfNoModule
 class _TwoItems(SharedCacheStore):
     """A store with room for two items."""
 
-    def room_for(self, nbytes: int) -> str | None:
+    def _room_for(self, nbytes: int) -> str | None:
         full = len([n for n in os.listdir(self.path) if n.endswith(".item")]) >= 2
-        return "room for two items" if full else super().room_for(nbytes)
+        return "room for two items" if full else super()._room_for(nbytes)
 
 
 class TestFillExtended(unittest.TestCase):

@@ -24,9 +24,9 @@ import unittest
 import torch
 
 from monai.data import CacheDataset, MetaTensor
-from monai.data import _cache_format as fmt
-from monai.data.cache_store import SharedCacheStore
 from monai.transforms import Compose
+from monai_sharedcache import SharedCacheStore
+from monai_sharedcache import _format as fmt
 from tests.test_cachedataset_shared_store import TIMEOUT, AddOne, Load, TestSharedStore, needs_store
 
 
@@ -44,15 +44,15 @@ class TestSharedStoreExtended(unittest.TestCase):
     @needs_store
     def test_a_subclass_keeps_its_own_files_in_a_checked_directory(self):
         store = SharedCacheStore(root=self.root)
-        notes = store.subdir(".notes")  # made private, opened and checked; the same one again
-        self.assertEqual((os.lstat(notes.path).st_mode & 0o777, store.subdir(".notes").path), (0o700, notes.path))
+        notes = store._subdir(".notes")  # made private, opened and checked; the same one again
+        self.assertEqual((os.lstat(notes.path).st_mode & 0o777, store._subdir(".notes").path), (0o700, notes.path))
         os.symlink(self.tmp, os.path.join(store.path, ".link"))
         with self.assertRaisesRegex(PermissionError, "symbolic link"):
-            store.subdir(".link")  # never followed
+            store._subdir(".link")  # never followed
         for bad in ("../x", "notes", ".a/b", ""):
             with self.assertRaisesRegex(ValueError, "a dot, then"):
-                store.subdir(bad)
-        at = store.directory  # the store's own directory, as opened and checked: not its path
+                store._subdir(bad)
+        at = store._directory  # the store's own directory, as opened and checked: not its path
         os.rename(store.path, store.path + "-moved")
         os.mkdir(store.path, 0o700)
         self.assertEqual((os.fstat(at.fd).st_ino, at.stat(".notes").st_ino), (os.stat(store.path + "-moved").st_ino,
@@ -61,7 +61,7 @@ class TestSharedStoreExtended(unittest.TestCase):
         os.rename(store.path + "-moved", store.path)
         store.close()  # goes with the store
         self.assertEqual(os.listdir(self.root), [])
-        for closed in (lambda: store.subdir(".notes"), lambda: store.directory):
+        for closed in (lambda: store._subdir(".notes"), lambda: store._directory):
             with self.assertRaises(FileNotFoundError):
                 closed()
 

@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 from parameterized import parameterized
 
-from monai.data import create_shared_cache, shared_cache
-from monai.data.cache_store import SharedCacheStore
-from monai.data.shared_cache import share_of_cpus
+from monai.data import create_shared_cache
+from monai_sharedcache import SharedCacheStore
+from monai_sharedcache import distributed as shared_cache
+from monai_sharedcache.distributed import share_of_cpus
 from tests.test_create_shared_cache import TIMEOUT, N, TestCreateSharedCache, computed, needs_store
 from tests.test_utils import DistCall, DistTestCase, skip_if_quick
 

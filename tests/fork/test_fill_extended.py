@@ -33,11 +33,10 @@ import torch.distributed as dist
 from fork_utils import TIMEOUT, end, run_forked, skip_if_quick, skip_unless_fork, skip_unless_store
 from parameterized import parameterized
 
-from monai.data import CacheDataset, SharedCacheStore
-from monai.data import _cache_locks as locks
-from monai.data import create_shared_cache
+from monai.data import CacheDataset, SharedCacheStore, create_shared_cache
 from monai.transforms import Compose, RandomizableTransform, Transform
 from monai.utils import optional_import
+from monai_sharedcache import _locks as locks
 
 _, has_tqdm = optional_import("tqdm")
 

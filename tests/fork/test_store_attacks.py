@@ -33,7 +33,7 @@ import torch
 from fork_utils import TIMEOUT, Evil, skip_unless_store
 
 from monai.data import CacheDataset, DataLoader, SharedCacheStore
-from monai.data import _cache_format as fmt
+from monai_sharedcache import _format as fmt
 
 ATTACKER = "monai-attacker"
 N = 12

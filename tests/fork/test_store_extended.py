@@ -68,12 +68,12 @@ from fork_utils import (
 from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader, MetaTensor, PydicomReader, SharedCacheStore
-from monai.data import _cache_format as fmt
-from monai.data import _cache_locks as locks
-from monai.data import cache_store
 from monai.data.utils import pickle_hashing, set_rnd
 from monai.transforms import Compose, LoadImage, Transform
 from monai.utils import optional_import
+from monai_sharedcache import _format as fmt
+from monai_sharedcache import _locks as locks
+from monai_sharedcache import store as cache_store
 
 get_testdata_file, has_pydicom = optional_import("pydicom.data", name="get_testdata_file")
 UID, _ = optional_import("pydicom.uid", name="UID")
@@ -782,7 +782,7 @@ import sys
 import numpy as np
 import monai
 from monai.data import CacheDataset
-from monai.data import _cache_locks
+from monai_sharedcache import _locks as _cache_locks
 from monai.transforms import Compose, Lambda
 
 
@@ -1068,7 +1068,7 @@ class TestDatasets(StoreCase):
         cache = self.new_store() if mode == "store" else mode
         ds = CacheDataset(DATA, Compose([Load(), RandAdd()]), cache_rate=rate, runtime_cache=cache, progress=False)
         store = ds._runtime.store
-        self.assertIsInstance(store, cache_store.SharedCacheStore)  # "process": the core's store, not the layer's
+        self.assertIsInstance(store, cache_store.SharedCacheStore)  # "process": the package's store
         if mode == "process":
             self.addCleanup(store.close)
         for _ in range(2):  # the second time from the store

@@ -40,7 +40,7 @@ from fork_utils import (
 )
 
 from monai.data import SharedCacheStore
-from monai.data import _cache_locks as locks
+from monai_sharedcache import _locks as locks
 
 
 def _child_create_and_wait(root: str, conn: Any) -> None:

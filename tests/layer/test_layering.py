@@ -9,9 +9,9 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The layering of the fork: the core (what the series proposes upstream) never imports the layer (``monai_sharedcache``),
-the layer uses only the core's public names, and the fork's own patches of upstream files (``patches/fork/``) wire the
-layer in, importing it only at its first use.
+The layering of the fork: MONAI with the series (what goes upstream) never imports the package (``monai_sharedcache``),
+the package uses only MONAI's public names and holds the whole store, and the fork's own patches of upstream files
+(``patches/fork/``) wire the package in, importing it only at its first use.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class TestLayering(unittest.TestCase):
         self.assertEqual([b for f in files for b in layer_imports(f)], [])
         for rel in ("monai/data/__init__.py", "monai/data/dataset.py"):
             self.assertTrue(layer_imports(TREE / rel), rel)  # the wiring is there, and the check sees it
-        for rel in sorted(wired):  # fork-0004 adds seams to the core's store: it imports nothing of the layer
+        for rel in sorted(wired):
             self.assertEqual(module_level_layer_imports(TREE / rel), [])
 
     def test_the_check_sees_an_import_at_module_level(self):
@@ -108,6 +108,16 @@ class TestLayering(unittest.TestCase):
         layer = sorted((ROOT / LAYER).rglob("*.py"))
         self.assertTrue(layer)
         self.assertEqual([b for f in layer for b in private_core_names(f)], [])
+
+    def test_the_store_is_the_packages_alone(self):
+        """No module of the store is under ``monai/`` of the repository, nor imported from MONAI by the package."""
+        moved = ("cache_store.py", "shared_cache.py", "_cache_format.py", "_cache_locks.py")
+        self.assertEqual([p for p in (ROOT / "monai").rglob("*.py") if p.name in moved], [])
+        fork_only = ("monai.data.cache_store", "monai.data.shared_cache")
+        found = [
+            f"{f.name}: {m}" for f in sorted((ROOT / LAYER).rglob("*.py")) for m, _ in imports(f) if m in fork_only
+        ]
+        self.assertEqual(found, [])
 
     def test_the_check_sees_a_private_name(self):
         with tempfile.TemporaryDirectory() as tmp:

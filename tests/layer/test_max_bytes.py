@@ -50,7 +50,7 @@ def _writer(path: str, start, name: str) -> None:
 
 
 def _same_key_writer(path: str, start) -> None:
-    import monai.data._cache_format as fmt  # the core's writer, made slow
+    import monai_sharedcache._format as fmt  # the writer, made slow
 
     write = fmt.write_item
 
@@ -66,7 +66,7 @@ def _same_key_writer(path: str, start) -> None:
 
 
 def _slow_replacing_writer(path: str, writing) -> None:
-    import monai.data._cache_format as fmt
+    import monai_sharedcache._format as fmt
 
     write = fmt.write_item
 
@@ -82,7 +82,7 @@ def _slow_replacing_writer(path: str, writing) -> None:
 
 
 def _killed_writer(path: str) -> None:
-    import monai.data._cache_format as fmt  # the core's writer, made to die half way
+    import monai_sharedcache._format as fmt  # the writer, made to die half way
 
     def die(fd, chunks):
         os.write(fd, b"partial")

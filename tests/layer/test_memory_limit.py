@@ -46,7 +46,7 @@ CGROUP_SCRIPT = """
 import os
 import numpy as np
 from monai.data import SharedCacheStore
-from monai.data.cache_store import SharedCacheStore as CoreStore
+from monai_sharedcache import SharedCacheStore as CoreStore
 
 for line in open("/proc/self/cgroup").read().splitlines():
     hierarchy, controllers, path = line.split(":", 2)

@@ -155,7 +155,7 @@ class TestPersistentStore(DistTestCase):
         nbytes = store.stats()["nbytes"] // 4
         store.close()
         for age, k in enumerate(("k3", "k2", "k1", "k0")):  # k0 used last, long ago; k3 first
-            path = store.file_stem(k) + ".item"
+            path = store._stem(k) + ".item"
             when = time.time_ns() - (age + 10) * 10**9  # written before it was last used: relatime leaves it
             os.utime(os.path.join(self.path, path), ns=(when, when - 10**9))
         store = self.open(max_bytes=4 * nbytes + 1000, reserve=0)
@@ -193,7 +193,7 @@ class TestPersistentStore(DistTestCase):
         store.put("whole", np.arange(50_000))
         store.put("torn", np.arange(50_000))
         store.close()
-        torn = os.path.join(self.path, store.file_stem("torn") + ".item")
+        torn = os.path.join(self.path, store._stem("torn") + ".item")
         os.truncate(torn, os.path.getsize(torn) // 2)  # what no writer publishes: a half file
         dead = os.path.join(self.path, ".tmp", "killed-writer")
         with open(dead, "wb") as f:

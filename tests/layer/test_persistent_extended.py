@@ -97,7 +97,7 @@ nbytes = store.stats()["nbytes"] // 2
 store.close()
 now = time.time_ns()
 for k, age in (("old", 10), ("used", 20)):  # "used" was used longer ago: evicted first, unless this run reads it
-    name = os.path.join(path, store.file_stem(k) + ".item")
+    name = os.path.join(path, store._stem(k) + ".item")
     os.utime(name, ns=(now - age * 10**9, now - 30 * 10**9))
 store = SharedCacheStore(path, persistent=True, max_bytes=2 * nbytes + 1000, reserve=0)
 assert store.get("used") is not None

@@ -89,7 +89,7 @@ def file_system_calls():
 
 def _put_and_die(store: SharedCacheStore) -> None:
     """In a forked child: write an item, and die without any cleanup once it is written, before it is published."""
-    with mock.patch.object(type(store), "sealed", lambda self, fd: os.kill(os.getpid(), signal.SIGKILL)):
+    with mock.patch.object(type(store), "_seal", lambda self, fd: os.kill(os.getpid(), signal.SIGKILL)):
         store.put("killed", torch.zeros(1000))
 
 
