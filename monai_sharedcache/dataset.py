@@ -31,9 +31,9 @@ from monai_sharedcache.store import NEEDS_KEYED, SharedCacheStore
 __all__ = ["fill", "refresh", "cache_stats"]
 
 
-def _keyed_cache(dataset: Any) -> Any:
-    """The dataset's keyed runtime cache, or ``None`` without a runtime cache."""
-    cache = getattr(dataset, "runtime_cache", None)
+def _keyed_cache(dataset: Any, cache: Any = None) -> Any:
+    """The keyed runtime cache ``cache``, by default the dataset's, or ``None`` without a runtime cache."""
+    cache = getattr(dataset, "runtime_cache", None) if cache is None else cache
     if cache is None or cache is False:
         return None
     if not callable(getattr(dataset, "cache_key", None)):
@@ -76,7 +76,7 @@ def _computer(dataset: Any) -> Any:
     return compute
 
 
-def fill(dataset: Any, num_threads: int | None = None) -> None:
+def fill(dataset: Any, num_threads: int | None = None, *, cache: Any = None) -> None:
     """
     Compute now, before training, the items of the dataset's keyed runtime cache that are not cached yet, in
     ``num_threads`` threads, with a progress bar if ``dataset.progress``. It returns when every item is cached (or
@@ -91,6 +91,8 @@ def fill(dataset: Any, num_threads: int | None = None) -> None:
 
     Args:
         dataset: a ``CacheDataset`` with a keyed ``runtime_cache``.
+        cache: the keyed cache of its items, by default its ``runtime_cache`` (the fork's ``runtime_cache="process"``
+            gives the store that it made).
         num_threads: threads that compute items; by default the CPUs that this process may run on, or with a store
             from :py:func:`create_shared_cache`, this rank's share of its node's CPUs (its ``node_cpus``), so that
             ranks filling at once do not oversubscribe the node.
@@ -108,7 +110,7 @@ def fill(dataset: Any, num_threads: int | None = None) -> None:
             )
             monai_sharedcache.fill(ds)  # the ranks of each node split the items; returns when the cache is full
     """
-    cache = _keyed_cache(dataset)
+    cache = _keyed_cache(dataset, cache)
     if num_threads is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         num_threads = getattr(cache, "node_cpus", None) or cpus
@@ -156,7 +158,7 @@ def fill(dataset: Any, num_threads: int | None = None) -> None:
             bar.close()
 
 
-def refresh(dataset: Any) -> None:
+def refresh(dataset: Any, *, cache: Any = None) -> None:
     """
     Drop the dataset's items from its keyed runtime cache, so that each is computed again on its next use: for
     changes that the keys cannot see (arrays of the data changed in place, inputs rewritten under a ``hash_func`` of
@@ -166,11 +168,13 @@ def refresh(dataset: Any) -> None:
 
     Args:
         dataset: a ``CacheDataset`` with a keyed ``runtime_cache``.
+        cache: the keyed cache of its items, by default its ``runtime_cache`` (the fork's ``runtime_cache="process"``
+            gives the store that it made).
 
     Raises:
         TypeError: the runtime cache is not keyed, or MONAI's ``CacheDataset`` has no keyed runtime caches.
     """
-    cache = _keyed_cache(dataset)
+    cache = _keyed_cache(dataset, cache)
     if cache is None:
         return
     keys = [key for _, key in _cached(dataset)]
@@ -197,13 +201,15 @@ def _nbytes(item: Any) -> int:
     return 0
 
 
-def cache_stats(dataset: Any) -> dict[str, dict[str, Any]]:
+def cache_stats(dataset: Any, *, cache: Any = None) -> dict[str, dict[str, Any]]:
     """
     Statistics of the dataset's keyed runtime cache, as far as the cache can tell: of this dataset in this process, of
     this dataset's items, and of the whole cache, which other datasets and processes may share.
 
     Args:
         dataset: a ``CacheDataset`` with a keyed ``runtime_cache``.
+        cache: the keyed cache of its items, by default its ``runtime_cache`` (the fork's ``runtime_cache="process"``
+            gives the store that it made).
 
     Returns:
         ``{"process": counts, "dataset": {"capacity", "filled"}, "cache": contents and counts}``. With a store,
@@ -218,7 +224,7 @@ def cache_stats(dataset: Any) -> dict[str, dict[str, Any]]:
     Raises:
         TypeError: the runtime cache is not keyed, or MONAI's ``CacheDataset`` has no keyed runtime caches.
     """
-    cache = _keyed_cache(dataset)
+    cache = _keyed_cache(dataset, cache)
     if cache is None:
         raise TypeError("cache_stats counts a keyed runtime cache; this dataset has none (runtime_cache=False).")
     keys = [key for _, key in _cached(dataset)]
