@@ -585,7 +585,32 @@ BENCH_RESULTS = ("benchmarks/output/results.json", "benchmarks/results/results.j
 CODE_CAP, DOCS_CAP = 1420, 500  # changed lines of a PR: code and tests (monai/, tests/), and docs; see ISSUE_44_CAP
 ISSUE_44_CAP = 500  # issue 44 caps every PR at 500 lines of code and tests; PR 02 (the store) is over it still
 # CODE_CAP stops PR 02 from growing: 1,400 until .25; .26's allow-list of item types (issue 45 item 9) took 20 more
-PATCH_AUTHOR = "MONAI shared-cache fork <monai-sharedcache@users.noreply.invalid>"
+SIGNOFF_ENV = "MONAI_EXPORT_SIGNOFF"  # "Name <email>": who exports, when git's user.name and user.email are not it
+
+
+def exporter(signoff: str | None = None, src_root: Path = ROOT) -> str:
+    """
+    Who signs the exported PRs off (MONAI's DCO check wants the submitter): ``signoff``, else ``$MONAI_EXPORT_SIGNOFF``,
+    else ``git config user.name`` and ``user.email`` of the repository, as ``git commit -s`` would sign.
+
+    Raises:
+        BuildError: none of them gives a name and an email.
+    """
+    who = signoff or os.environ.get(SIGNOFF_ENV, "")
+    if not who:
+
+        def config(key: str) -> str:
+            out = subprocess.run(["git", "config", key], cwd=src_root, capture_output=True, text=True)
+            return out.stdout.strip()
+
+        name, email = config("user.name"), config("user.email")
+        who = f"{name} <{email}>" if name and email else ""
+    if not re.fullmatch(r"[^<>\n]+ <[^<>@\s]+@[^<>\s]+>", who):
+        raise BuildError(
+            f"the export is signed off by whoever exports it, as 'Name <email>', got {who!r}: set git config "
+            f"user.name and user.email, or pass --signoff 'Name <email>' (or ${SIGNOFF_ENV})"
+        )
+    return who
 
 
 class Stage:
@@ -681,7 +706,7 @@ def _without(src: Path, path: str, later: list[str], src_root: Path) -> str | No
     return text
 
 
-def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
+def export_series(out_dir: Path, src_root: Path = ROOT, signoff: str | None = None) -> list[Path]:
     """
     Write the upstream PR series into ``out_dir``: for each stage ``NN-<slug>.patch`` and ``NN-<slug>.md``, and
     ``series.json`` (the size and checks of each PR).
@@ -691,12 +716,19 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
     then the stage's diffs of MONAI's own docs. Every patch applies with ``git apply`` after the ones before it:
     whole to MONAI's repository, and with ``--include='monai/*' --include='tests/*'`` to an unpacked wheel.
 
+    Args:
+        out_dir: where the PRs go.
+        src_root: the repository to export.
+        signoff: who signs the PRs off, as ``Name <email>``; by default :py:func:`exporter`'s answer.
+
     Raises:
-        BuildError: a PR is over its size caps, mentions a name that a later PR adds, adds a forbidden token,
+        BuildError: no sign-off (see :py:func:`exporter`), a PR is over its size caps, mentions a name that a later PR adds, adds a forbidden token,
             exports a test that needs the fork's own test modules, or has no commit message (no patch header and no
             ``message`` in the series).
     """
-    git = ["git", "-c", "user.name=MONAI shared-cache fork", "-c", "user.email=monai-sharedcache@users.noreply.invalid"]
+    author = exporter(signoff, src_root)
+    name, email = author[: author.index(" <")], author[author.index(" <") + 2 : -1]
+    git = ["git", "-c", f"user.name={name}", "-c", f"user.email={email}"]
     git += ["-c", "commit.gpgsign=false", "-c", "core.autocrlf=false"]
     stages = read_series(src_root)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -775,9 +807,9 @@ def export_series(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
                 for fp in parse_patch(d, st.name):
                     plus = sum(1 for path, _ in _added_lines(d) if path == fp.path)
                     stat += f"\n {fp.path} (MONAI's docs) | +{plus}"
-            header = f"From: {PATCH_AUTHOR}\nSubject: [PATCH {st.number:02d}/{len(stages)}] {st.title}\n\n"
+            header = f"From: {author}\nSubject: [PATCH {st.number:02d}/{len(stages)}] {st.title}\n\n"
             patch_path = out_dir / f"{st.name}.patch"
-            signed = f"\nSigned-off-by: {PATCH_AUTHOR}\n"  # MONAI's DCO check (CONTRIBUTING.md): the author's sign-off
+            signed = f"\nSigned-off-by: {author}\n"  # MONAI's DCO check (CONTRIBUTING.md): the author's sign-off
             message = "\n".join(d.strip() + "\n" for d in descriptions) + signed
             patch_path.write_text(header + message + "\n" + diff)
             md = write_pr_description(out_dir / f"{st.name}.md", st, sizes, stat, src_root)
@@ -895,6 +927,7 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", default=str(ROOT / "build" / "tree"))
     p = sub.add_parser("export-patch", help="write the upstream PR series (patches, descriptions) and the tutorials")
     p.add_argument("out", nargs="?", default=str(ROOT / "dist" / "pr"))
+    p.add_argument("--signoff", help="'Name <email>' of who exports; default: git config user.name and user.email")
     sub.add_parser("wheel-path", help="print the verified upstream wheel path (downloads it if needed)")
     sub.add_parser("version", help="print the fork version")
     args = parser.parse_args(argv)
@@ -912,7 +945,7 @@ def _main(argv: list[str] | None = None) -> int:
         elif args.cmd == "refresh":
             print("refreshed", refresh(Path(args.patch), Path(args.tree), args.files))
         elif args.cmd == "export-patch":
-            for path in export_series(Path(args.out)):
+            for path in export_series(Path(args.out), signoff=args.signoff):
                 print(path)
             tutorials = Path(args.out).parent / "tutorials"
             shutil.rmtree(tutorials, ignore_errors=True)

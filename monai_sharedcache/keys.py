@@ -622,6 +622,34 @@ def transforms_hashing(transforms: Sequence) -> bytes | None:
     return None if fingerprint.private else fingerprint.digest.encode()
 
 
+def data_key(entry: Any) -> bytes:
+    """
+    A ``hash_func`` for ``CacheDataset``: ``pickle_hashing`` of ``entry`` with its files stamped by their stat data
+    (:py:func:`stamp_files`), so that a file rewritten in place is a new key. It reads no byte of a file.
+
+    Args:
+        entry: an input of the dataset, e.g. ``{"image": "img.nii.gz", "label": "seg.nii.gz"}``.
+
+    Returns:
+        the hash, as bytes.
+    """
+    return cast(bytes, pickle_hashing(stamp_files(entry)))
+
+
+def transforms_key(transforms: Sequence) -> bytes:
+    """
+    A ``hash_transform`` for ``CacheDataset``: the digest of :py:func:`transforms_fingerprint`, or where a member of
+    the transforms cannot be pickled, a digest private to this process, after one warning.
+
+    Args:
+        transforms: the cached transforms.
+
+    Returns:
+        the hash (64 hex digits), as bytes.
+    """
+    return cast(str, fingerprint_of(list(transforms), stacklevel=3).digest).encode()
+
+
 def fingerprint_of(cached: Sequence[Any], stacklevel: int = 2) -> Fingerprint:
     """:py:func:`transforms_fingerprint` of ``cached``, with one warning where a member makes it private."""
     fingerprint = transforms_fingerprint(cached)

@@ -23,7 +23,7 @@ import unittest
 import warnings
 from unittest import mock
 
-from tests.test_cache_store_claims import TestClaims, needs_store
+from tests.layer.test_cache_store_claims import TestClaims, needs_store
 
 
 @needs_store

@@ -33,7 +33,7 @@ import numpy as np
 from parameterized import parameterized
 
 from monai_sharedcache import SharedCacheStore
-from tests.test_cache_store import TIMEOUT, StoreTestCase, needs_store
+from tests.layer.test_cache_store import TIMEOUT, StoreTestCase, needs_store
 
 FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
 needs_fork = unittest.skipIf(FORK is None, "needs the fork start method")

@@ -24,7 +24,7 @@ from unittest import mock
 
 from monai_sharedcache import SharedCacheStore
 from monai_sharedcache import _locks as locks
-from tests.test_cache_store import LONG, StoreTestCase, _backdate, needs_store
+from tests.layer.test_cache_store import LONG, StoreTestCase, _backdate, needs_store
 
 
 def _made(root: str) -> str:

@@ -30,7 +30,7 @@ from parameterized import parameterized
 
 from monai_sharedcache import SharedCacheStore
 from monai_sharedcache import _format as fmt
-from tests.test_cache_store import TIMEOUT, StoreTestCase, needs_store
+from tests.layer.test_cache_store import TIMEOUT, StoreTestCase, needs_store
 
 
 class _Narrow(SharedCacheStore):

@@ -27,7 +27,7 @@ from parameterized import parameterized
 from monai.data import CacheDataset
 from monai.transforms import Compose
 from monai_sharedcache import SharedCacheStore
-from tests.test_cachedataset_fill import AddOne, Load, N, TestFill, computations, needs_store
+from tests.layer.test_cachedataset_fill import AddOne, Load, N, TestFill, computations, needs_store
 from tests.test_utils import SkipIfNoModule
 
 

@@ -27,7 +27,7 @@ from monai.data import CacheDataset, MetaTensor
 from monai.transforms import Compose
 from monai_sharedcache import SharedCacheStore
 from monai_sharedcache import _format as fmt
-from tests.test_cachedataset_shared_store import TIMEOUT, AddOne, Load, TestSharedStore, needs_store
+from tests.layer.test_cachedataset_shared_store import TIMEOUT, AddOne, Load, TestSharedStore, needs_store
 
 
 def _killed_run(root: str, log: str) -> None:

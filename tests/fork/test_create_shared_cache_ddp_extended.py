@@ -29,7 +29,7 @@ from monai.data import create_shared_cache
 from monai_sharedcache import SharedCacheStore
 from monai_sharedcache import distributed as shared_cache
 from monai_sharedcache.distributed import share_of_cpus
-from tests.test_create_shared_cache import TIMEOUT, N, TestCreateSharedCache, computed, needs_store
+from tests.layer.test_create_shared_cache import TIMEOUT, N, TestCreateSharedCache, computed, needs_store
 from tests.test_utils import DistCall, DistTestCase, skip_if_quick
 
 

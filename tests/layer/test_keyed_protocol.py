@@ -27,7 +27,7 @@ from typing import Any
 import monai_sharedcache
 from monai.transforms import Compose, Lambda
 from monai_sharedcache import SharedCacheStore
-from tests.test_cache_store import needs_store
+from tests.layer.test_cache_store import needs_store
 
 CALLS: list = []  # the inputs that the cached transform read, in this process
 

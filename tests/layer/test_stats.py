@@ -28,7 +28,7 @@ from monai.data import CacheDataset, DataLoader, SharedCacheStore
 from monai.transforms import Compose, Transform
 from monai_sharedcache import counters as cache_counters
 from tests import test_cachedataset_fill as core
-from tests.test_cachedataset_fill import FORK, TIMEOUT, AddOne, Load, N, computations, needs_fork, needs_store
+from tests.layer.test_cachedataset_fill import FORK, TIMEOUT, AddOne, Load, N, computations, needs_fork, needs_store
 from tests.test_utils import DistTestCase, skip_if_quick
 
 ITEM_BYTES = 2 * 4 * 4  # the float32 image of an item
