@@ -26,7 +26,9 @@ usage: ./runtests.sh [--unittests] [--quick] [--mode MODE] [--codeformat] [--doc
                   installs what requirements-dev.txt lists if it is missing (install torch for your machine first)
   --quick         with --unittests: skip the slow tests (sets QUICKTEST=True, as MONAI's CI does)
   --mode MODE     with --unittests: default, spawn (every process starts its children with spawn, as on macOS and
-                  Windows) or nofcntl (also a Python where `import fcntl` fails, as on Windows); see tests/modes/
+                  Windows), nofcntl (also a Python where `import fcntl` fails, as on Windows; see tests/modes/), or
+                  series (the package's tests, tests/layer/, and the series' own, on MONAI 1.6.1 with the upstream
+                  series alone: no fork patch, as a user who installs the package on such a MONAI has it)
   --codeformat    black (120), isort, flake8 and mypy on the overlay, build backend, tests and patched files
   --docs          build the Sphinx docs with warnings as errors (docs/build/html) and run every recipe of the tutorials companion
   --export-patch  write the upstream PR series: dist/pr/NN-<slug>.patch and dist/pr/NN-<slug>.md (docs/pr/series.ini)
@@ -186,6 +188,10 @@ if [ $unittests -eq 1 ]; then
     [ $quick -eq 1 ] && export QUICKTEST=True
     case "$mode" in
         default) modepath="" ;;
+        series) # MONAI 1.6.1 + the series + the package, without patches/fork/: the package needs no more than that
+            $BUILD pristine build/series --upto fork- >/dev/null
+            TREE=build/series modepath=""
+            export MONAI_SHAREDCACHE_TEST_MODE=series ;;
         spawn|nofcntl) modepath="$PWD/tests/modes/$mode:"; export MONAI_SHAREDCACHE_TEST_MODE=$mode ;;
         *) echo "unknown --mode $mode: default, spawn or nofcntl" >&2; exit 2 ;;
     esac

@@ -581,10 +581,14 @@ UPSTREAM_TEST_DIR = "tests/data"  # where MONAI keeps the tests of monai/data
 FORK_TEST_DIR = "tests/fork"  # the fork's own tests: of the build, and those MONAI's CI could not run
 TEST_UTILS = "test_utils.py"  # the fork's stand-in for MONAI's tests/test_utils.py (same names and meanings)
 TUTORIALS = "tutorials"  # runnable recipes, exported as a companion for MONAI's tutorials repository
-BENCH_RESULTS = ("benchmarks/output/results.json", "benchmarks/results/results.json")  # the latest of them counts
-CODE_CAP, DOCS_CAP = 1420, 500  # changed lines of a PR: code and tests (monai/, tests/), and docs; see ISSUE_44_CAP
-ISSUE_44_CAP = 500  # issue 44 caps every PR at 500 lines of code and tests; PR 02 (the store) is over it still
-# CODE_CAP stops PR 02 from growing: 1,400 until .25; .26's allow-list of item types (issue 45 item 9) took 20 more
+CODE_CAP, DOCS_CAP = 1000, 500  # changed lines of one PR: code and tests (monai/, tests/), and docs
+SERIES_MONAI_CAP = 400  # lines that the whole series adds under monai/: MONAI's history sets the scale (issue 57)
+MAX_PRS = 5
+# what no line added under monai/ may hold: OS machinery belongs in the package (design.md, invariant 9)
+OS_MACHINERY = re.compile(
+    r"import (fcntl|mmap|ctypes)\b|\b(fcntl|mmap|ctypes)\.|\bflock\(|[gs]etxattr\(|[\"']/dev/shm|[\"']/proc/|"
+    r"\bos\.open\(|statvfs\(|\bsyscall\(|\bioctl\(|userfaultfd|register_at_fork\(|O_DIRECTORY"
+)
 SIGNOFF_ENV = "MONAI_EXPORT_SIGNOFF"  # "Name <email>": who exports, when git's user.name and user.email are not it
 
 
@@ -619,8 +623,8 @@ class Stage:
     def __init__(self, name: str, fields: dict[str, str], number: int) -> None:
         self.name, self.number = name, number
         self.title = fields.get("title", name)
-        self.patches, self.overlay, self.tests, self.fork_tests, self.docs, self.bench = (
-            fields.get(key, "").split() for key in ("patches", "overlay", "tests", "fork_tests", "docs", "bench")
+        self.patches, self.overlay, self.tests, self.fork_tests, self.docs = (
+            fields.get(key, "").split() for key in ("patches", "overlay", "tests", "fork_tests", "docs")
         )
         # names that this PR adds: no earlier PR may mention them (one per line, literal text)
         self.provides = [ln.strip() for ln in fields.get("provides", "").splitlines() if ln.strip()]
@@ -732,7 +736,7 @@ def export_series(out_dir: Path, src_root: Path = ROOT, signoff: str | None = No
     git += ["-c", "commit.gpgsign=false", "-c", "core.autocrlf=false"]
     stages = read_series(src_root)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written, summary = [], []
+    written, summary, monai_added = [], [], 0
     with tempfile.TemporaryDirectory() as tmp:
         repo = pristine(Path(tmp) / "repo")
         for info in repo.glob("monai-*.dist-info"):
@@ -794,6 +798,15 @@ def export_series(out_dir: Path, src_root: Path = ROOT, signoff: str | None = No
                 if value > cap:
                     raise BuildError(f"PR {st.name} changes {value} lines of {what}, over its cap of {cap}")
             added = _added_lines(diff)
+            for path, line in added:
+                if path.startswith("monai/") and OS_MACHINERY.search(line.split("#", 1)[0]):
+                    raise BuildError(f"PR {st.name} adds OS machinery under monai/, which belongs in the package: {line}")
+            new = [ln[len("+++ b/") :] for prev, ln in zip(diff.splitlines(), diff.splitlines()[1:])
+                   if prev.startswith("--- /dev/null") and ln.startswith("+++ b/monai/")]  # fmt: skip
+            private = [n for n in new if Path(n).name.startswith("_") and Path(n).name != "__init__.py"]
+            if private:
+                raise BuildError(f"PR {st.name} adds a private module under monai/: {private}")
+            monai_added += sum(1 for path, _ in added if path.startswith("monai/"))
             later = [(name, other.name) for other in stages[st.number :] for name in other.provides]
             for path, line in added:
                 for name, other in later:
@@ -816,70 +829,17 @@ def export_series(out_dir: Path, src_root: Path = ROOT, signoff: str | None = No
             written += [patch_path, md]
             summary.append({"name": st.name, "title": st.title, "code": sizes["code"], "docs": sizes["docs"],
                             "tests": st.tests, "fork_tests": st.fork_tests, "forbids": st.forbids})  # fmt: skip
+    if len(stages) > MAX_PRS or monai_added > SERIES_MONAI_CAP:
+        raise BuildError(
+            f"the series has {len(stages)} PRs adding {monai_added} lines under monai/; at most {MAX_PRS} PRs and "
+            f"{SERIES_MONAI_CAP} lines (a new capability goes into the package)"
+        )
     (out_dir / "series.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return written
 
 
-FORK_TUTORIALS = ("keep_across_runs.py",)  # recipes of the fork's layer (persistent stores): never exported
-
-
-def export_tutorials(out_dir: Path, src_root: Path = ROOT) -> list[Path]:
-    """
-    Copy the runnable recipes (``tutorials/``) into ``out_dir``, as a folder for MONAI's tutorials repository, but
-    those of the fork's layer (``FORK_TUTORIALS``), and the lines of a README that name them.
-    """
-    src = src_root / TUTORIALS
-    written = []
-    for f in sorted(src.rglob("*")):
-        if f.is_file() and "__pycache__" not in f.parts and f.name not in FORK_TUTORIALS:
-            dest = out_dir / f.relative_to(src)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if f.suffix == ".md":
-                lines = f.read_text(encoding="utf-8").splitlines(keepends=True)
-                dest.write_text("".join(x for x in lines if not any(n in x for n in FORK_TUTORIALS)), encoding="utf-8")
-            else:
-                shutil.copyfile(f, dest)
-            written.append(dest)
-    return written
-
-
-def latest_bench_results(src_root: Path = ROOT) -> dict | None:
-    """The latest results of the benchmark (``benchmarks/output/results.json`` or the committed copy), or None."""
-    found = []
-    for rel in BENCH_RESULTS:
-        try:
-            found.append(json.loads((src_root / rel).read_text(encoding="utf-8")))
-        except (OSError, ValueError):
-            continue
-    return max(found, key=lambda r: str(r.get("date", ""))) if found else None
-
-
-def bench_table(ids: list[str], results: dict | None) -> str:
-    """The rows ``ids`` of a benchmark run as a markdown table, with the date, version and command of the run."""
-    if not ids:
-        return "No row of the benchmark's results (`benchmarks/bench_cache.py`) measures this PR."
-    if results is None:
-        return "No benchmark results in this checkout: run `python benchmarks/bench_cache.py` and export again."
-    rows = results.get("rows", {})
-    lines = [
-        f"From the benchmark run of {results.get('date', '?')} with `{results.get('version', '?')}` "
-        f"(`{results.get('command', 'python benchmarks/bench_cache.py')}`; {results.get('machine', '')}):",
-        "",
-        "| measure | value | target | |",
-        "|---|---:|---|---|",
-    ]
-    for rid in ids:
-        row = rows.get(rid)
-        if row is None:
-            lines.append(f"| {rid} | not measured in that run | | |")
-            continue
-        verdict = "" if row.get("pass") is None else ("pass" if row["pass"] else "**miss**")
-        lines.append(f"| {row['label']} | {row['value']} | {row.get('target') or ''} | {verdict} |")
-    return "\n".join(lines)
-
-
 def write_pr_description(out: Path, st: Stage, sizes: dict[str, int], diffstat: str, src_root: Path = ROOT) -> Path:
-    """Fill ``docs/pr/<stage>.md.in``: version, size, the tests kept in the fork, benchmark rows and the diffstat."""
+    """Fill ``docs/pr/<stage>.md.in``: its title, size, the tests kept in the fork and the diffstat."""
     template = (src_root / "docs" / "pr" / f"{st.name}.md.in").read_text(encoding="utf-8")
     changed = sizes["code"] + sizes["docs"]
     size = f"{changed} changed lines ({sizes['code']} of code and tests, {sizes['docs']} of docs)"
@@ -891,7 +851,6 @@ def write_pr_description(out: Path, st: Stage, sizes: dict[str, int], diffstat: 
         "{{TITLE}}": st.title,
         "{{SIZE}}": size,
         "{{DIFFSTAT}}": diffstat,
-        "{{BENCHMARK}}": bench_table(st.bench, latest_bench_results(src_root)),
         "{{FORK_TESTS}}": fork_tests or "none: every test of this PR runs in MONAI's CI.",
     }
     text = template
@@ -947,9 +906,6 @@ def _main(argv: list[str] | None = None) -> int:
         elif args.cmd == "export-patch":
             for path in export_series(Path(args.out), signoff=args.signoff):
                 print(path)
-            tutorials = Path(args.out).parent / "tutorials"
-            shutil.rmtree(tutorials, ignore_errors=True)
-            print(f"{tutorials}/ ({len(export_tutorials(tutorials))} files, for MONAI's tutorials repository)")
         elif args.cmd == "wheel-path":
             print(find_upstream_wheel())
         elif args.cmd == "version":

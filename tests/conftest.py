@@ -9,7 +9,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-The passes of ``./runtests.sh --unittests --mode spawn|nofcntl`` run only the tests whose behaviour can differ there.
+The passes of ``./runtests.sh --unittests --mode spawn|nofcntl`` run only the tests whose behaviour can differ there;
+``--mode series`` runs the package's tests and the series' own (not ``tests/fork/``) on MONAI with the series alone.
 The no-``fcntl`` pass runs every test but those below (``_EVERY_MODE``), which start no process and use no store, or
 pin the start method of each process they start. The spawn pass runs only the tests in ``_SPAWN``: those that start a
 process of the default start method that uses the cache (a DataLoader worker without ``multiprocessing_context``, a
@@ -66,11 +67,14 @@ _SPAWN = (
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mode = os.environ.get("MONAI_SHAREDCACHE_TEST_MODE", "")
-    if mode not in ("spawn", "nofcntl"):
+    if mode not in ("spawn", "nofcntl", "series"):
         return
     keep, drop = [], []
     for item in items:  # node ids are relative to the repository (runtests.sh runs pytest there)
-        runs = item.nodeid.startswith(_SPAWN) if mode == "spawn" else not item.nodeid.startswith(_EVERY_MODE)
+        if mode == "series":  # MONAI with the series alone: the package's tests and the series', not the fork's
+            runs = not item.nodeid.startswith("tests/fork/")
+        else:
+            runs = item.nodeid.startswith(_SPAWN) if mode == "spawn" else not item.nodeid.startswith(_EVERY_MODE)
         (keep if runs else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
