@@ -12,8 +12,8 @@
 The benchmark of the ``CacheDataset`` runtime caches: the fork's store against private lists, upstream MONAI 1.6.1's
 ``Manager`` list, ``PersistentDataset`` and ``torch.save`` files, as ratios measured within one run (see README.md)::
 
-    python benchmarks/bench_cache.py                      # full size, every section (about 8 minutes on 2 cores)
-    python benchmarks/bench_cache.py --small              # the same code on small items (about 1.5 minutes)
+    python benchmarks/bench_cache.py                      # full size, every section (about 6-9 minutes on 2 cores)
+    python benchmarks/bench_cache.py --small              # the same code on small items (about 2-3 minutes)
     python benchmarks/bench_cache.py --sections hits,persistent
 
 Every measurement runs in a subprocess of its own with ``PYTHONPATH`` set to one tree: the fork's laid-out
@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     report += lines
     results["checks"] = checks
-    (out / "bench_cache.txt").write_text("\n".join(report) + "\n")
+    (out / "results.md").write_text("```text\n" + "\n".join(report) + "\n```\n")
     (out / "bench_cache.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     return 1 if failed and args.strict else 0
 
