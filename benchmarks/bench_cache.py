@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         value = checks[key]
         ok = value is not None and (value <= limit if op == "<=" else value >= limit)
         failed |= not ok
-        shown = _f(value, ".3g") if value is not None else "n/a"
+        shown = _f(value, ".3f")
         lines.append(f"{'PASS' if ok else 'FAIL'}  {text}: {shown} ({op} {limit:g})")
     lines.append(f"total {time.perf_counter() - started:.0f} s")
     print("\n".join(lines))
