@@ -9,277 +9,657 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-Benchmark of the ``CacheDataset`` runtime caches: the fork's shared-memory store against private lists and against
-upstream MONAI 1.6.1's ``runtime_cache="process"`` (a ``multiprocessing.Manager`` ``ListProxy``).
+The benchmark of the ``CacheDataset`` runtime caches: the fork's store against private lists, upstream MONAI 1.6.1's
+``Manager`` list, ``PersistentDataset`` and ``torch.save`` files, as ratios measured within one run (see README.md)::
 
-Every measurement runs in a subprocess of its own, with ``PYTHONPATH`` set to the fork's laid-out tree
-(``build/tree``) or to a pristine upstream 1.6.1 tree that this script unpacks under the output directory. The paths
-of the fork tree are timed hit by hit in one process, interleaved, so that their ratios see the same load; the
-numbers that matter are the RATIOS of one run (the machine may be shared), each a median over repetitions. Every
-run of the hits section measures the store twice: with its Linux fast path (path 5, ``MONAI_CACHE_FAST_PATH=1``) and
-without it (path 5b, the portable store, ``MONAI_CACHE_FAST_PATH=0``, in a job of its own: the variable is read at
-the import of monai), each against the floor and ``copy_cache=True`` timed in its own job.
+    python benchmarks/bench_cache.py                      # full size, every section (about 6-9 minutes on 2 cores)
+    python benchmarks/bench_cache.py --small              # the same code on small items (about 2-3 minutes)
+    python benchmarks/bench_cache.py --sections hits,persistent
 
-Run from the repository root::
-
-    python benchmarks/bench_cache.py            # full size, about 3-5 minutes on 2 cores
-    python benchmarks/bench_cache.py --small    # quick run, under 2 minutes
-    python benchmarks/bench_cache.py --small --sections hits --runs 3
-
-Results go to ``benchmarks/output/`` (``results.json``, whose ``rows`` the PR descriptions read, ``results.md``,
-``bench_cache.png``). The exit code is 0 even when a target fails, unless ``--strict`` is given. Linux only
-(``/proc``, ``/dev/shm``). See ``benchmarks/README.md`` (the map of the modules: this one is the command, it parses
-the flags and runs the sections' jobs).
+Every measurement runs in a subprocess of its own with ``PYTHONPATH`` set to one tree: the fork's laid-out
+``build/tree`` (refreshed with ``layout --if-stale``) or pristine upstream 1.6.1 unpacked into
+``benchmarks/output/upstream-tree``, so the upstream numbers are upstream code, and ``MONAI_CACHE_FAST_PATH`` (read at
+the import of monai) is set for each job. Paths compared in one process alternate rep by rep, so that their ratio
+sees the same machine load; medians are reported. Linux only (``/dev/shm``, ``/proc``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
 import json
 import os
-import shlex
+import platform
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_common import DEFAULT_OUT, FORK_TREE, PATHS
-from bench_epochs import job_epoch
-from bench_hits import job_micro_fork, job_micro_upstream
-from bench_machine import hugepage_settings, machine
-from bench_persistent import job_persist
-from bench_report import plot, write
-from bench_run import log, prepare_trees, run_subprocess, tree_version
-from bench_small import job_small
-from bench_summary import summarize
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+FORK_TREE = REPO / "build" / "tree"
+BUILD = REPO / "build_backend" / "monai_sharedcache_build.py"
+SECTIONS = ("hits", "persistent", "eager", "ddp")
+TARGETS = {  # name: (text, limit, "<=" or ">=")
+    "hit": ("store hit + crop vs private-list floor (fast path)", 1.25, "<="),
+    "persistent": ("persistent store warm read vs PersistentDataset (speed-up)", 10.0, ">="),
+    "restart_computed": ("persistent store: items computed on restart", 0, "<="),
+    "eager": ("eager hit (runtime_cache=False), fork vs upstream", 1.10, "<="),
+}
+_COMPUTED = [0]  # computations of the cached transforms in this process (the persistent jobs)
 
-SECTIONS = ("hits", "epochs", "small", "ddp", "persistent")
-# what ``bench_cache.py --job JOB CFG RESULT`` runs, in a subprocess started by ``bench_run.run_subprocess``
-JOBS: dict[str, Callable[[dict], dict[str, Any]]] = {
-    "micro_fork": job_micro_fork,
-    "micro_upstream": job_micro_upstream,
-    "epoch": job_epoch,
-    "small": job_small,
-    "persist": job_persist,
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the jobs: each runs in a subprocess, with torch and one tree's monai
+
+
+def data_files(data_dir: str, shape: list[int]) -> tuple[str, str]:
+    """A synthetic 4-channel float32 image and 1-channel uint8 label of spatial ``shape`` (``.npy``, written once)."""
+    import numpy as np
+
+    tag = "x".join(map(str, shape))
+    image, label = os.path.join(data_dir, f"image-4x{tag}.npy"), os.path.join(data_dir, f"label-1x{tag}.npy")
+    if not (os.path.exists(image) and os.path.exists(label)):
+        os.makedirs(data_dir, exist_ok=True)
+        img = np.random.default_rng(0).standard_normal((4, *shape), dtype=np.float32)
+        for path, arr in ((image, img), (label, (img[:1] > 1.0).astype(np.uint8))):
+            np.save(f"{path}.{os.getpid()}.npy", arr)  # then renamed: jobs of another run may read it
+            os.replace(f"{path}.{os.getpid()}.npy", path)
+    return image, label
+
+
+def inputs(cfg: dict, n: int, start: int = 0) -> list[dict]:
+    """``n`` inputs naming the same files; the case number makes each one's key distinct."""
+    image, label = data_files(cfg["data_dir"], cfg["shape"])
+    return [{"image": image, "label": label, "case": start + i} for i in range(n)]
+
+
+def count_computation(data: Any) -> Any:
+    _COMPUTED[0] += 1
+    return data
+
+
+def transforms(roi: list[int], numpy_items: bool = False, count: bool = False) -> tuple[Any, int]:
+    """A segmentation pipeline's cached steps, then a random crop: the ``Compose`` and its first random index."""
+    import numpy as np
+
+    from monai.transforms import Compose, EnsureTyped, Lambda, LoadImaged, NormalizeIntensityd, RandSpatialCropd
+
+    keys = ["image", "label"]
+    cached: list[Any] = [
+        LoadImaged(keys="image", reader="NumpyReader", channel_dim=0, image_only=True, dtype=np.float32),
+        LoadImaged(keys="label", reader="NumpyReader", channel_dim=0, image_only=True, dtype=np.uint8),
+        NormalizeIntensityd(keys="image", channel_wise=True),
+    ]
+    if numpy_items:
+        cached.append(EnsureTyped(keys=keys, data_type="numpy"))
+    if count:
+        cached.append(Lambda(func=count_computation))
+    crop = RandSpatialCropd(keys=keys, roi_size=tuple(roi), random_size=False)
+    return Compose([*cached, crop]), len(cached)
+
+
+_BATCH: dict[tuple, Any] = {}
+
+
+def collate_copy(item: dict) -> None:
+    """A collate-like copy of the crop into a batch buffer allocated once, so that the allocator does not blur it."""
+    import numpy as np
+    import torch
+
+    for key in ("image", "label"):
+        value = item[key]
+        value = torch.from_numpy(value) if isinstance(value, np.ndarray) else value.as_subclass(torch.Tensor)
+        spec = (key, tuple(value.shape), value.dtype)
+        if spec not in _BATCH:
+            _BATCH[spec] = torch.empty((1, *value.shape), dtype=value.dtype)
+        torch.stack([value], out=_BATCH[spec])
+
+
+def hit(ds: Any, index: int = 0) -> None:
+    """A cache hit as a training step sees it: ``ds[index]`` (read + random crop) + a collate-like copy."""
+    collate_copy(ds[index])
+
+
+def interleave(fns: dict[str, Callable[[int], Any]], reps: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of each ``fn(rep)``, called in turn rep by rep (the order reversed every other rep)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(warmup + reps):
+        for name in names if r % 2 else names[::-1]:
+            start = time.perf_counter()
+            fns[name](r)
+            elapsed = time.perf_counter() - start
+            if r >= warmup:
+                times[name].append(elapsed)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def job_setup() -> dict[str, Any]:
+    import torch
+
+    import monai
+
+    torch.set_num_threads(1)  # as in DataLoader workers; also steadier timings on a shared 2-core machine
+    try:
+        from monai_sharedcache import _pool
+
+        fast_path: bool | None = bool(_pool.ENABLED)
+    except ImportError:  # the upstream tree
+        fast_path = None
+    return {"monai": monai.__version__, "torch": torch.__version__, "fast_path": fast_path}
+
+
+def job_hits(cfg: dict) -> dict[str, Any]:
+    """
+    In the fork's tree (with or without the fast path, as the driver set ``MONAI_CACHE_FAST_PATH``): a hit of the
+    floor (a private list, ``copy_cache=False``), of the store and of ``copy_cache=True``; then the item format: the
+    store's ``get``/``put`` against ``torch.save`` + ``torch.load(mmap=True, weights_only=True)`` of the same item, as
+    ``PersistentDataset`` stores it (``convert_to_tensor``, plain tensors), in files on the store's file system.
+    """
+    res: dict[str, Any] = {"info": job_setup()}
+    import torch
+
+    from monai.data import CacheDataset
+    from monai.utils import convert_to_tensor
+
+    tr, first = transforms(cfg["roi"])
+    data = inputs(cfg, 1)
+    ms: dict[str, float] = {}
+    start = time.perf_counter()
+    eager = CacheDataset(data, tr, copy_cache=False, progress=False, num_workers=1)
+    ms["compute"] = (time.perf_counter() - start) * 1e3
+    store_ds = CacheDataset(data, tr, runtime_cache="process", progress=False)
+    hit(store_ds, 0)  # the miss: computed and stored
+    store = store_ds._runtime.store
+    res["store_dir"] = store.path
+
+    def floor(_: int) -> None:
+        hit(eager)
+
+    hits = interleave({"floor": floor, "store": lambda _: hit(store_ds)}, cfg["reps"])
+    eager.copy_cache = True  # in a loop of its own: its deepcopy of the whole item evicts the CPU caches before
+    # whichever hit comes next, which costs a store hit (new objects over its mapping) more than the floor's
+    hits.update(interleave({"copy_cache": floor}, cfg["copy_reps"]))
+    eager.copy_cache = False
+    ms.update({f"hit.{name}": t * 1e3 for name, t in hits.items()})
+
+    item = tr(dict(data[0]), end=first)
+    tdir = tempfile.mkdtemp(prefix="bench-torch-", dir=os.path.dirname(store.path))
+
+    def torch_put(path: str) -> None:
+        tmp = f"{path}.tmp"
+        torch.save(convert_to_tensor(item, convert_numeric=False, track_meta=False), tmp)
+        os.replace(tmp, path)
+
+    def read_crop(read: Callable[[], Any]) -> None:
+        collate_copy(tr(read(), start=first))
+
+    def torch_load(path: str) -> Any:
+        return torch.load(path, mmap=True, weights_only=True)
+
+    def plain_write(r: int) -> None:
+        path = os.path.join(tdir, f"plain-{r}")
+        with open(path, "wb") as f:
+            for key in ("image", "label"):
+                f.write(memoryview(item[key].as_subclass(torch.Tensor).numpy()).cast("B"))
+        os.unlink(path)
+
+    try:
+        torch_put(os.path.join(tdir, "hit.pt"))
+        store.put("hit", item)
+        n = cfg["first_reps"]
+        for i in range(n):  # each read once: nothing this process kept from an earlier read can serve it
+            torch_put(os.path.join(tdir, f"first-{i}.pt"))
+            store.put(f"first-{i}", item)
+        # each read in a loop of its own with the floor: a torch.load between two store reads evicts what the
+        # store's next hit reads (as the deepcopy above), and the other way round
+        fmt: dict[str, float] = {}
+        reads = {
+            "hit.store": lambda _: read_crop(lambda: store.get("hit")),
+            "hit.torch": lambda _: read_crop(lambda: torch_load(os.path.join(tdir, "hit.pt"))),
+            "first.store": lambda i: read_crop(lambda: store.get(f"first-{i}")),
+            "first.torch": lambda i: read_crop(lambda: torch_load(os.path.join(tdir, f"first-{i}.pt"))),
+        }
+        for name, fn in reads.items():
+            first_read = name.startswith("first")
+            t = interleave({"floor": floor, name: fn}, n if first_read else cfg["reps"], warmup=0 if first_read else 2)
+            fmt[name], fmt[f"{name}.floor"] = t[name], t["floor"]
+        store.discard([f"first-{i}" for i in range(n)])
+
+        def store_put(r: int) -> None:
+            if not store.put(f"put-{r}", item):
+                raise RuntimeError(f"the store refused an item in {store.path}")
+            store.discard([f"put-{r}"])
+
+        def torch_put_once(r: int) -> None:
+            torch_put(os.path.join(tdir, f"put-{r}.pt"))
+            os.unlink(os.path.join(tdir, f"put-{r}.pt"))
+
+        fmt.update(
+            interleave(
+                {"put.store": store_put, "put.torch": torch_put_once, "put.os_write": plain_write}, cfg["put_reps"]
+            )
+        )
+        ms.update({f"format.{name}": t * 1e3 for name, t in fmt.items()})
+        res["sizes_mib"] = {
+            "store": os.path.getsize(os.path.join(store.path, store._file("hit", ".item"))) / 2**20,
+            "torch": os.path.getsize(os.path.join(tdir, "hit.pt")) / 2**20,
+        }
+    finally:
+        shutil.rmtree(tdir, ignore_errors=True)
+        store.close()
+    res["ms"] = ms
+    return res
+
+
+def job_listproxy(cfg: dict) -> dict[str, Any]:
+    """In the upstream tree: ``runtime_cache="process"`` (a ``Manager`` list) with tensor and numpy items."""
+    res: dict[str, Any] = {"info": job_setup()}
+    from monai.data import CacheDataset
+
+    data = inputs(cfg, 1)
+    tr, _ = transforms(cfg["roi"])
+    tr_np, _ = transforms(cfg["roi"], numpy_items=True)
+    eager = CacheDataset(data, tr, copy_cache=False, progress=False, num_workers=1)
+    # tensors come back in shared memory: copy_cache=True (the default) keeps an in-place transform off the cache;
+    # numpy items are private unpickled copies already
+    tensors = CacheDataset(data, tr, runtime_cache="process", progress=False)
+    arrays = CacheDataset(data, tr_np, runtime_cache="process", copy_cache=False, progress=False)
+    hit(tensors, 0)
+    hit(arrays, 0)
+    fns = {
+        "floor": lambda _: hit(eager),
+        "listproxy_tensor": lambda _: hit(tensors),
+        "listproxy_numpy": lambda _: hit(arrays),
+    }
+    res["ms"] = {f"hit.{k}": v * 1e3 for k, v in interleave(fns, cfg["upstream_reps"]).items()}
+    return res
+
+
+def _persist_open(cfg: dict) -> tuple[Any, Any, Any, list[dict], Any]:
+    from monai.data import CacheDataset, PersistentDataset, SharedCacheStore
+
+    data = inputs(cfg, cfg["items"])
+    tr, _ = transforms(cfg["roi"], count=True)
+    pd = PersistentDataset(data, tr, cache_dir=os.path.join(cfg["persist_dir"], "persistentdataset"))
+    store = SharedCacheStore(os.path.join(cfg["persist_dir"], "store"), persistent=True)
+    return pd, CacheDataset(data, tr, runtime_cache=store, progress=False), store, data, tr
+
+
+def job_persist_fill(cfg: dict) -> dict[str, Any]:
+    """The first run: ``PersistentDataset`` and a persistent store on the disk store every item."""
+    res: dict[str, Any] = {"info": job_setup()}
+    pd, ds, store, data, _ = _persist_open(cfg)
+    start = time.perf_counter()
+    for i in range(len(data)):
+        pd[i]
+    res["fill_s"] = {"persistentdataset": time.perf_counter() - start}
+    start = time.perf_counter()
+    ds.fill()
+    res["fill_s"]["store"] = time.perf_counter() - start
+    store.close()
+    res["computed"] = _COMPUTED[0]
+    return res
+
+
+def job_persist_read(cfg: dict) -> dict[str, Any]:
+    """
+    A new process on the filled caches: the first hit (a restart), warm reads against the floor, and what the
+    store's checksums cost a first read in a run (a new session at every open), with the check and without (the
+    core's ``verified``), alternating on the same item file.
+    """
+    res: dict[str, Any] = {"info": job_setup()}
+    from monai.data import CacheDataset, SharedCacheStore, cache_store
+
+    start = time.perf_counter()
+    pd, ds, store, data, tr = _persist_open(cfg)
+    res["open_ms"] = (time.perf_counter() - start) * 1e3
+    restart = interleave({"persistentdataset": lambda _: hit(pd), "store": lambda _: hit(ds)}, 1, warmup=0)
+    res["restart_first_hit_ms"] = {k: v * 1e3 for k, v in restart.items()}
+    for i in range(len(data)):
+        hit(pd, i)
+        hit(ds, i)
+    res["computed"] = _COMPUTED[0]
+    floor_tr, _ = transforms(cfg["roi"])
+    floor = CacheDataset(data[:1], floor_tr, copy_cache=False, progress=False, num_workers=1)
+    n = len(data)
+    fns = {
+        "floor": lambda r: hit(floor),
+        "store": lambda r: hit(ds, r % n),
+        "persistentdataset": lambda r: hit(pd, r % n),
+    }
+    res["ms"] = {f"read.{k}": v * 1e3 for k, v in interleave(fns, cfg["reps"]).items()}
+    item = os.path.join(store.path, store._file(ds._runtime_keys[0], ".item"))
+    store.close()
+    try:
+        res["checksum_recorded"] = os.getxattr(item, "user.monai.sum").decode()
+    except OSError as err:
+        res["checksum_recorded"] = f"none ({err.strerror})"
+
+    class Unchecked(SharedCacheStore):
+        verified = cache_store.SharedCacheStore.verified  # the core's: no checksum
+
+    def first_read(cls: type) -> Callable[[int], None]:
+        def run(_: int) -> None:
+            s = cls(os.path.join(cfg["persist_dir"], "store"), persistent=True)  # a new session: a first read
+            try:
+                hit(CacheDataset(data[:1], tr, runtime_cache=s, progress=False))
+            finally:
+                s.close()
+
+        return run
+
+    checks = interleave({"checked": first_read(SharedCacheStore), "unchecked": first_read(Unchecked)}, cfg["reps"])
+    res["ms"].update({f"first_read.{k}": v * 1e3 for k, v in checks.items()})
+    res["computed_end"] = _COMPUTED[0]
+    return res
+
+
+EAGER = """
+import time
+t = time.perf_counter()
+import monai
+imported = time.perf_counter() - t
+import numpy as np
+from monai.data import CacheDataset
+from monai.transforms import Compose, Lambda
+ds = CacheDataset([np.zeros(4) for _ in range(100)], Compose([Lambda(lambda x: x)]), progress=False)
+best = float("inf")
+for _ in range(7):
+    t = time.perf_counter()
+    for _ in range(200):
+        for i in range(100):
+            ds[i]
+    best = min(best, (time.perf_counter() - t) / 20000)
+print(imported, best)
+"""
+JOBS = {
+    "hits": job_hits,
+    "listproxy": job_listproxy,
+    "persist_fill": job_persist_fill,
+    "persist_read": job_persist_read,
 }
 
 
-def run_job_main(job: str, cfg_path: str, result_path: str) -> int:
-    """Run one job on the config in ``cfg_path``; write its result, or its traceback, and its warnings as JSON."""
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        try:
-            result = JOBS[job](cfg)
-        except Exception:
-            result = {"error": traceback.format_exc()}
-    result["job_warnings"] = sorted({f"{w.category.__name__}: {w.message}"[:400] for w in caught})
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-    return 0
+# ---------------------------------------------------------------------------------------------------------------------
+# the driver: no torch, no monai
 
 
-def _config(args: argparse.Namespace, sections: list[str]) -> dict[str, Any]:
-    if args.small:
-        cfg = {"shape": [96, 96, 64], "roi": [48, 48, 48], "reps": 40, "items": 16, "fill_n": 3, "compute_n": 3}
-        cfg["first_reps"] = 20
-    else:
-        cfg = {"shape": [240, 240, 155], "roi": [96, 96, 96], "reps": 25, "items": 4, "fill_n": 3, "compute_n": 3}
-        cfg["first_reps"] = 10  # items of 145 MiB each in /dev/shm during that part
-    cfg["epochs"] = args.epochs
-    cfg["memory_samples"] = 6 if args.small else 10
-    cfg["data_dir"] = str(Path(args.out_dir).resolve() / "data")
-    cfg["n_small"], cfg["n_mapped"] = args.small_items, args.mapped_items
-    if args.reps is not None:
-        cfg["reps"] = args.reps
-    if args.items is not None:
-        cfg["items"] = args.items
-    cfg["store_root"] = os.path.abspath(args.store_root) if args.store_root else None
-    cfg["sections"], cfg["runs"], cfg["skip_upstream"] = sections, args.runs, bool(args.skip_upstream)
-    return cfg
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _sections(text: str, parser: argparse.ArgumentParser) -> list[str]:
-    chosen = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = sorted(set(chosen) - set(SECTIONS))
-    if unknown or not chosen:
-        parser.error(f"--sections: unknown {', '.join(unknown) or '(none given)'}; choose among {', '.join(SECTIONS)}")
-    return [s for s in SECTIONS if s in chosen]
-
-
-def _default_root() -> str:
-    """Where the store puts its directories by default (``MONAI_CACHE_ROOT``, ``/dev/shm`` or the temp dir)."""
-    root = os.environ.get("MONAI_CACHE_ROOT")
-    if root:
-        return root
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def _module_section(
-    section: str, module: str, args: argparse.Namespace, out_dir: Path, trees: dict[str, Path] | None
-) -> tuple[Any, list[str]]:
-    """A section implemented by ``benchmarks/<module>.py``, if it exists: (its result, its report lines)."""
-    if importlib.util.find_spec(module) is None:
-        print(f"{section} section: not available", file=sys.stderr)
-        return None, [f"{section} section: not available (no benchmarks/{module}.py)"]
-    log(f"start {section} section ({module}.py)")
+def run_job(job: str, tree: Path, cfg: dict, fast_path: bool = True, code: str | None = None) -> dict[str, Any]:
+    """Run ``job`` (or the ``code``) in a subprocess with ``PYTHONPATH=tree``; its result, or an ``error``."""
+    out = Path(cfg["out_dir"])
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONPYCACHEPREFIX=str(out / "pycache"))
+    env["MONAI_CACHE_FAST_PATH"] = "1" if fast_path else "0"  # whatever the caller's environment says
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # else every job compiles monai anew: 20 s of each import
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, str(Path(__file__)), "--job", job, json.dumps(cfg)]
+    start = time.perf_counter()
     try:
-        mod = importlib.import_module(module)
-        result = mod.run_section(args, out_dir, trees)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-        mod = sys.modules.get(module)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cfg["timeout"])
+    except subprocess.TimeoutExpired:
+        return {"error": f"{job}: timed out after {cfg['timeout']} s"}
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "logs" / f"{job}-{'fast' if fast_path else 'portable'}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        log(f"FAILED {job}: {proc.stderr.strip()[-1500:]}")
+        return {"error": f"{job}: exit {proc.returncode}"}
+    log(f"done {job} ({tree.name}, fast path {int(fast_path)}) in {time.perf_counter() - start:.1f} s")
+    if code:
+        return {"stdout": proc.stdout}
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def prepare_trees(out: Path, refresh: bool = True) -> dict[str, Path]:
+    """The fork's tree (laid out if stale) and pristine upstream 1.6.1 (unpacked from the pinned wheel if absent)."""
+    if refresh:
+        subprocess.run([sys.executable, str(BUILD), "layout", "--if-stale"], check=True, cwd=REPO, capture_output=True)
+    upstream = out / "upstream-tree"
+    if not list(upstream.glob("monai-1.6.1.dist-info/RECORD")):
+        shutil.rmtree(upstream, ignore_errors=True)
+        subprocess.run(
+            [sys.executable, str(BUILD), "pristine", str(upstream)], check=True, cwd=REPO, capture_output=True
+        )
+    return {"fork": FORK_TREE, "upstream": upstream}
+
+
+def _get(res: dict, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(res, dict) or key not in res:
+            return None
+        res = res[key]
+    return res
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _f(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def section_hits(cfg: dict, trees: dict[str, Path], checks: dict[str, float | None]) -> tuple[dict, list[str]]:
+    res = {
+        "fast": run_job("hits", trees["fork"], cfg),
+        "portable": run_job("hits", trees["fork"], cfg, fast_path=False),
+        "upstream": run_job("listproxy", trees["upstream"], cfg),
+    }
+    if _get(res, "fast", "info", "fast_path") is False or _get(res, "portable", "info", "fast_path"):
+        raise RuntimeError("MONAI_CACHE_FAST_PATH did not set the store's fast path as asked")
+    fast, port, up = (res[k].get("ms", {}) for k in ("fast", "portable", "upstream"))
+    store = fast.get("hit.store")
+    lines = [
+        f"item {cfg['item_mib']:.1f} MiB (image 4x{'x'.join(map(str, cfg['shape']))} float32 + label uint8), crop "
+        f"{cfg['roi'][0]}^3 + collate copy; ms, medians of {cfg['reps']} interleaved reps; x = / the floor of its job",
+        "",
+        f"{'path':58s} {'ms':>9s} {'x floor':>8s}",
+    ]
+
+    def row(label: str, value: float | None, floor: float | None) -> None:
+        lines.append(f"{label:58s} {_f(value):>9s} {_f(_ratio(value, floor), '.2f', 'x'):>8s}")
+
+    row("1. private list, copy_cache=False (the floor)", fast.get("hit.floor"), fast.get("hit.floor"))
+    row("2. private list, copy_cache=True", fast.get("hit.copy_cache"), fast.get("hit.floor"))
+    row(
+        "3. upstream 'process' ListProxy, tensors (copy_cache=True)",
+        up.get("hit.listproxy_tensor"),
+        up.get("hit.floor"),
+    )
+    row("4. upstream 'process' ListProxy, numpy items", up.get("hit.listproxy_numpy"), up.get("hit.floor"))
+    row("5. fork 'process' store, fast path", store, fast.get("hit.floor"))
+    row("5b. fork 'process' store, portable (MONAI_CACHE_FAST_PATH=0)", port.get("hit.store"), port.get("hit.floor"))
+    row(
+        "   first read of an item, fast path (get + crop + copy)",
+        fast.get("format.first.store"),
+        fast.get("format.first.store.floor"),
+    )
+    row("   first read of an item, portable", port.get("format.first.store"), port.get("format.first.store.floor"))
+    lines += [
+        "",
+        f"store (fast path) speed-up: vs copy_cache=True {_f(_ratio(fast.get('hit.copy_cache'), store), '.1f', 'x')}, "
+        f"vs ListProxy tensors {_f(_ratio(up.get('hit.listproxy_tensor'), store), '.1f', 'x')}, "
+        f"vs ListProxy numpy {_f(_ratio(up.get('hit.listproxy_numpy'), store), '.1f', 'x')}; portable vs copy_cache=True "
+        f"{_f(_ratio(port.get('hit.copy_cache'), port.get('hit.store')), '.1f', 'x')}",
+        "",
+        "item format, same item, same process: the store's file against torch.save(convert_to_tensor(item)) + "
+        f"torch.load(mmap=True, weights_only=True), files on {os.path.dirname(str(_get(res, 'fast', 'store_dir')))}; "
+        "ms, medians; each read in a loop of its own with the floor, torch/store = the ratio of their x floor",
+        f"{'':34s} {'fast path':>29s}   {'portable':>29s}",
+        f"{'':34s} {'store':>8s} {'torch':>8s} {'torch/store':>11s}   {'store':>8s} {'torch':>8s} {'torch/store':>11s}",
+    ]
+
+    def vs(ms: dict, what: str) -> list[float | None]:
+        s, t = ms.get(f"format.{what}.store"), ms.get(f"format.{what}.torch")
+        if what == "put":  # the puts alternate in one loop: no eviction to keep apart
+            return [s, t, _ratio(t, s)]
+        sf, tf = ms.get(f"format.{what}.store.floor"), ms.get(f"format.{what}.torch.floor")
+        return [s, t, _ratio(_ratio(t, tf), _ratio(s, sf))]
+
+    for what, label in (
+        ("hit", "hit (same item again) + crop + copy"),
+        ("first", "first read + crop + copy"),
+        ("put", "put (write the item)"),
+    ):
+        cells = [_f(v, ".2f", "x" if i % 3 == 2 else "") for i, v in enumerate(vs(fast, what) + vs(port, what))]
+        widths = (8, 8, 11)
+        halves = [" ".join(f"{c:>{w}s}" for c, w in zip(cells[k : k + 3], widths)) for k in (0, 3)]
+        lines.append(f"{label:34s} {halves[0]}   {halves[1]}")
+    sizes = _get(res, "fast", "sizes_mib") or {}
+    lines.append(
+        f"plain os.write of the arrays: {_f(fast.get('format.put.os_write'))} ms; file sizes: store "
+        f"{_f(sizes.get('store'), '.1f')} MiB, torch {_f(sizes.get('torch'), '.1f')} MiB; computing the item "
+        f"{_f(fast.get('compute'), '.0f')} ms"
+    )
+    checks["hit"] = _ratio(store, fast.get("hit.floor"))
+    return res, lines
+
+
+def section_persistent(cfg: dict, trees: dict[str, Path], checks: dict[str, float | None]) -> tuple[dict, list[str]]:
+    shutil.rmtree(cfg["persist_dir"], ignore_errors=True)
+    os.makedirs(cfg["persist_dir"])
     try:
-        lines = list(mod.report_lines(result)) if mod is not None else [f"{section} section: {result['error']}"]
-    except Exception as err:
-        lines = [f"{section} section: no report ({type(err).__name__}: {err})"]
-    log(f"done  {section} section")
-    return result, lines
+        res = {"fill": run_job("persist_fill", trees["fork"], cfg), "read": run_job("persist_read", trees["fork"], cfg)}
+    finally:
+        shutil.rmtree(cfg["persist_dir"], ignore_errors=True)
+    fill, read = res["fill"], res["read"]
+    ms = read.get("ms", {})
+    first = read.get("restart_first_hit_ms", {})
+    lines = [
+        f"{cfg['items']} items on the disk ({cfg['persist_dir']}); every phase a new process (fork tree, fast path)",
+        f"{'':38s} {'PersistentDataset':>18s} {'persistent store':>17s}",
+        f"{'first run: all items stored, s':38s} {_f(_get(fill, 'fill_s', 'persistentdataset')):>18s} "
+        f"{_f(_get(fill, 'fill_s', 'store')):>17s}",
+        f"{'restart: first hit, ms':38s} {_f(first.get('persistentdataset')):>18s} {_f(first.get('store')):>17s}",
+        f"{'warm read + crop + copy, ms':38s} {_f(ms.get('read.persistentdataset')):>18s} {_f(ms.get('read.store')):>17s}",
+        f"{'  x the floor (' + _f(ms.get('read.floor')) + ' ms)':38s} "
+        f"{_f(_ratio(ms.get('read.persistentdataset'), ms.get('read.floor')), '.2f', 'x'):>18s} "
+        f"{_f(_ratio(ms.get('read.store'), ms.get('read.floor')), '.2f', 'x'):>17s}",
+        f"computed: first run {fill.get('computed')} (both), restart and reads {read.get('computed')}",
+        "",
+        f"checksums (xattr {read.get('checksum_recorded')}): first read of the item in a run + crop + copy, "
+        f"{cfg['reps']} alternating sessions: checked {_f(ms.get('first_read.checked'))} ms, unchecked "
+        f"{_f(ms.get('first_read.unchecked'))} ms, "
+        f"{_f(_ratio(ms.get('first_read.checked'), ms.get('first_read.unchecked')), '.2f', 'x')}",
+    ]
+    checks["persistent"] = _ratio(ms.get("read.persistentdataset"), ms.get("read.store"))
+    computed = read.get("computed")
+    checks["restart_computed"] = None if computed is None else float(computed)
+    return res, lines
 
 
-def _fork_version(raw: dict[str, Any]) -> str:
-    """``monai.__version__`` of the fork's tree: as a fork job imported it, else read from the tree."""
-    for key in ("micro_fork", "micro_portable", "epoch_store", "small", "persistent"):
-        result = raw.get(key)
-        version = result.get("info", {}).get("monai_version") if isinstance(result, dict) else None
-        if version:
-            return str(version)
-    return tree_version(FORK_TREE) or "unknown"
-
-
-def _run(args: argparse.Namespace, cfg: dict[str, Any], out_dir: Path) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """Run the chosen sections: the raw results, and the report lines of the other sections (title: lines)."""
-    upstream, refreshed = None, False
-    if {"hits", "epochs", "small"} & set(cfg["sections"]):  # the fork's tree; the upstream tree for hits and epochs
-        prepare = argparse.Namespace(**vars(args))
-        prepare.skip_upstream = args.skip_upstream or not {"hits", "epochs"} & set(cfg["sections"])
-        upstream, refreshed = prepare_trees(prepare, out_dir), True
-    raw: dict[str, Any] = {}
-    extra: dict[str, list[str]] = {}
-    if "hits" in cfg["sections"]:
-        # each run in fresh subprocesses: the store with its fast path (paths 1, 2, 5, 6), then without it (1, 2, 5b;
-        # MONAI_CACHE_FAST_PATH=0 is read at the import of monai, hence a process of its own)
-        for run in range(1, args.runs + 1):
-            for variant, key in (("full", "micro_fork"), ("portable", "micro_portable")):
-                tag = key if args.runs == 1 else f"{key}-run{run}"
-                job_cfg = dict(cfg, run=run, variant=variant)
-                result = run_subprocess(
-                    "micro_fork", FORK_TREE, job_cfg, out_dir, args.timeout, tag=tag, fast_path=variant == "full"
-                )
-                if run == 1:
-                    raw[key] = result
-                else:
-                    raw.setdefault(f"{key}_extra_runs", []).append(result)
-        if upstream is not None:
-            raw["micro_upstream"] = run_subprocess("micro_upstream", upstream, cfg, out_dir, args.timeout)
-    if "epochs" in cfg["sections"]:
-        raw["epoch_baseline"] = run_subprocess("epoch", FORK_TREE, dict(cfg, path="baseline"), out_dir, args.timeout)
-        for name, spec in PATHS.items():
-            if spec["tree"] == "upstream" and upstream is None:
-                continue
-            tree = FORK_TREE if spec["tree"] == "fork" else upstream
-            assert tree is not None
-            raw[f"epoch_{name}"] = run_subprocess("epoch", tree, dict(cfg, path=name), out_dir, args.timeout)
-    if "small" in cfg["sections"]:
-        raw["small"] = run_subprocess("small", FORK_TREE, cfg, out_dir, args.timeout)
-    if "ddp" in cfg["sections"]:
-        # without the upstream tree (--skip-upstream, or no hits/epochs), bench_ddp.py prepares the trees itself
-        trees = {"fork": FORK_TREE, "upstream": upstream} if upstream else None
-        result, lines = _module_section("ddp", "bench_ddp", args, out_dir, trees)
-        if result is not None:
-            raw["ddp"] = result
-        extra["DDP (bench_ddp.py)"] = lines
-    if "persistent" in cfg["sections"]:
-        # the fork's tree only; refreshed by the section itself unless an earlier section did
-        trees = {"fork": FORK_TREE} if refreshed else None
-        result, lines = _module_section("persistent", "bench_persistent", args, out_dir, trees)
-        if result is not None:
-            raw["persistent"] = result
-        extra["Persistent store (bench_persistent.py)"] = lines  # bench_persistent.TITLE
-    return raw, extra
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--small", action="store_true", help="items of 4x96x96x64 (crop 48^3) for a quick run")
-    parser.add_argument(
-        "--sections",
-        default=",".join(SECTIONS),
-        help=f"sections to run, among {','.join(SECTIONS)} (default: all; persistent: bench_persistent.py)",
-    )
-    parser.add_argument(
-        "--runs", type=int, default=1, help="runs of the hits section (each: the store with and without its fast path)"
-    )
-    parser.add_argument("--reps", type=int, help="timed hits per path (default 25, --small 40)")
-    parser.add_argument("--items", type=int, help="items K in the DataLoader epochs (default 4, --small 16)")
-    parser.add_argument("--epochs", type=int, default=3, help="timed warm epochs (median reported)")
-    parser.add_argument("--small-items", type=int, default=20000, help="number of 1 KiB items of the fd test")
-    parser.add_argument("--mapped-items", type=int, default=2000, help="number of 96 KiB (mapped) items kept alive")
-    parser.add_argument("--store-root", help="also time the store with its files in this directory (path 6)")
-    parser.add_argument("--skip-upstream", action="store_true", help="skip the upstream 1.6.1 ListProxy paths")
-    parser.add_argument("--out-dir", default=str(DEFAULT_OUT), help="output directory (default benchmarks/output)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 if a target fails")
-    parser.add_argument("--no-refresh", action="store_true", help="do not refresh build/tree (layout --if-stale)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed for each subprocess")
-    parser.add_argument("--job", nargs=3, help=argparse.SUPPRESS)
-    return parser
+def section_eager(cfg: dict, trees: dict[str, Path], checks: dict[str, float | None]) -> tuple[dict, list[str]]:
+    times: dict[str, list[list[float]]] = {"upstream": [], "fork": []}
+    for r in range(cfg["eager_rounds"]):  # interleaved, so that both trees see the same load
+        for name in list(times) if r % 2 else list(times)[::-1]:
+            out = run_job(f"eager-{name}", trees[name], cfg, code=EAGER)
+            if "error" in out:
+                return out, [out["error"]]
+            times[name].append([float(v) for v in out["stdout"].split()[-2:]])
+    med = {name: [statistics.median(col) for col in zip(*t)] for name, t in times.items()}
+    lines = [f"medians of {cfg['eager_rounds']} interleaved interpreters per tree"]
+    for i, (what, scale, unit) in enumerate((("import monai", 1.0, "s"), ("eager hit, small item", 1e6, "us"))):
+        up, fork = med["upstream"][i] * scale, med["fork"][i] * scale
+        lines.append(f"{what:24s} upstream {up:8.3f} {unit}  fork {fork:8.3f} {unit}  {fork / up:5.2f}x")
+    checks["eager"] = med["fork"][1] / med["upstream"][1]
+    return {"median": med}, lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; returns the exit code."""
-    parser = _parser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--small", action="store_true", help="9.6 MiB items and fewer reps: a quick run")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"among {','.join(SECTIONS)}")
+    parser.add_argument("--reps", type=int, help="timed reps per path (default 25, --small 30)")
+    parser.add_argument("--out-dir", default=str(HERE / "output"))
+    parser.add_argument("--persist-dir", help="a directory on a local disk (default <out-dir>/persist)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
+    parser.add_argument("--no-refresh", action="store_true", help="do not run layout --if-stale")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed for each subprocess")
+    parser.add_argument("--job", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.job:
-        return run_job_main(*args.job)
-    sections = _sections(args.sections, parser)
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
-    if not sys.platform.startswith("linux"):
-        print("this benchmark needs Linux (/proc, /dev/shm)", file=sys.stderr)
-        return 2
-
-    out_dir = Path(args.out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = _config(args, sections)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")  # the run's start, UTC
+        print(json.dumps(JOBS[args.job[0]](json.loads(args.job[1]))))
+        return 0
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}")
+    out = Path(args.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    shape, roi = ([96, 96, 64], [48, 48, 48]) if args.small else ([240, 240, 155], [96, 96, 96])
+    reps = args.reps or (30 if args.small else 25)
+    cfg: dict[str, Any] = {
+        "small": args.small,
+        "shape": shape,
+        "roi": roi,
+        "item_mib": 17 * shape[0] * shape[1] * shape[2] / 2**20,
+        "reps": reps,
+        "copy_reps": reps if args.small else 10,
+        "first_reps": 12 if args.small else 8,
+        "put_reps": 10 if args.small else 6,
+        "upstream_reps": 10 if args.small else 6,
+        "items": 6 if args.small else 4,
+        "eager_rounds": 2 if args.small else 5,
+        "timeout": args.timeout,
+        "out_dir": str(out),
+        "data_dir": str(out / "data"),
+        "persist_dir": str(Path(args.persist_dir or out / "persist").resolve()),
+    }
     started = time.perf_counter()
-    info = machine()
-    info["hugepages"] = hugepage_settings([_default_root(), *([cfg["store_root"]] if cfg["store_root"] else [])])
-    raw, extra = _run(args, cfg, out_dir)
-    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    for key, value in raw.items():
-        for one in value if isinstance(value, list) else [value]:
-            if isinstance(one, dict) and isinstance(one.get("error"), str):
-                print(f"\n!! {key} failed:\n{one['error']}", file=sys.stderr)
-            for message in one.get("job_warnings", []) if isinstance(one, dict) else []:
-                if "monai" in message.lower() or "cache" in message.lower():
-                    log(f"warning in {key}: {message}")
-
-    summary = summarize(raw, cfg)
-    given = argv if argv is not None else sys.argv[1:]
-    command = " ".join(["python benchmarks/bench_cache.py", *(shlex.quote(a) for a in given)])
-    meta = {"date": date, "version": _fork_version(raw), "command": command}
-    elapsed = time.perf_counter() - started
-    print(write(out_dir, meta, cfg, info, raw, summary, extra, elapsed))
-    plot_error = plot(summary, out_dir / "bench_cache.png")
-    if plot_error:
-        print(plot_error, file=sys.stderr)
-    shutil.rmtree(out_dir / "jobs", ignore_errors=True)
-    section_checks = [
-        c for key in ("ddp", "persistent") if isinstance(raw.get(key), dict) for c in raw[key].get("checks", [])
+    trees = prepare_trees(out, refresh=not args.no_refresh)
+    version = next((p.name[: -len(".dist-info")] for p in trees["fork"].glob("monai-*.dist-info")), "the fork")
+    report = [
+        f"{version} against upstream 1.6.1; {time.strftime('%Y-%m-%d')}; {os.cpu_count()} cores, "
+        f"{platform.system()} {platform.release()}, python {platform.python_version()}",
+        f"command: python benchmarks/bench_cache.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip(),
     ]
-    failed = [c for c in [*summary["checks"], *section_checks] if isinstance(c, dict) and c.get("status") == "FAIL"]
-    return 1 if args.strict and failed else 0
+    print("\n".join(report), flush=True)
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "version": version, "config": cfg}
+    checks: dict[str, float | None] = {}
+    for name in sections:
+        log(f"section {name}")
+        t0 = time.perf_counter()
+        if name == "ddp":
+            sys.path.insert(0, str(HERE))
+            import bench_ddp
+
+            results[name], lines = bench_ddp.run_section(args.small, out, trees, args.timeout)
+            checks.update(results[name].get("checks", {}))
+        else:
+            section = {"hits": section_hits, "persistent": section_persistent, "eager": section_eager}[name]
+            results[name], lines = section(cfg, trees, checks)
+        text = ["", f"== {name} ({time.perf_counter() - t0:.0f} s)", *lines]
+        print("\n".join(text), flush=True)
+        report += text
+    lines = ["", "== targets (ratios measured in this run)"]
+    failed = False
+    all_targets = dict(TARGETS)
+    if "ddp" in sections:
+        import bench_ddp
+
+        all_targets.update(bench_ddp.TARGETS)
+    for key, (text, limit, op) in all_targets.items():
+        if key not in checks:
+            continue
+        value = checks[key]
+        ok = value is not None and (value <= limit if op == "<=" else value >= limit)
+        failed |= not ok
+        shown = _f(value, ".3f")
+        lines.append(f"{'PASS' if ok else 'FAIL'}  {text}: {shown} ({op} {limit:g})")
+    lines.append(f"total {time.perf_counter() - started:.0f} s")
+    print("\n".join(lines))
+    report += lines
+    results["checks"] = checks
+    (out / "results.md").write_text("```text\n" + "\n".join(report) + "\n```\n")
+    (out / "bench_cache.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return 1 if failed and args.strict else 0
 
 
 if __name__ == "__main__":

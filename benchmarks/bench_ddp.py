@@ -9,47 +9,25 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-End-to-end DDP benchmark: what users run, the way MONAI's DDP tutorial trains (2 ranks x 2 DataLoader workers on CPU
-with gloo, NIfTI inputs, a small 3D UNet in ``DistributedDataParallel``), with upstream 1.6.1's eager caches against
-the fork's shared store.
+DDP end to end, as MONAI's DDP tutorial trains: 2 gloo ranks x 2 DataLoader workers on CPU, NIfTI inputs, a small 3D
+UNet in ``DistributedDataParallel``; upstream 1.6.1's eager cache per rank against the fork's store shared by the
+ranks (``create_shared_cache()``), lazily and with ``fill()``::
 
-Run from the repository root (Linux: ``/proc``, ``/dev/shm``)::
+    python benchmarks/bench_ddp.py [--small]     # also: python benchmarks/bench_cache.py --sections ddp
 
-    python benchmarks/bench_ddp.py            # full size, a few minutes on 2 cores
-    python benchmarks/bench_ddp.py --small    # quick run
-
-The variants (the same data, transforms, model, seeds; ``CacheDataset(num_workers=1)``, upstream's default):
-
-1. upstream eager per rank: ``CacheDataset(runtime_cache=False)`` (``copy_cache=True``) and a ``DistributedSampler``,
-   on the pristine upstream 1.6.1 tree: every rank computes and holds every item;
-2. upstream eager with ``partition_dataset``: each rank caches its part only and shuffles within it (pristine tree);
-3. the fork's lazy shared store: ``runtime_cache=create_shared_cache()`` + ``DistributedSampler`` (``build/tree``);
-4. the fork's shared eager fill: the same, and ``ds.fill()`` before training.
-
-Measured: the time to first batch, from the start of the dataset's setup (after a barrier of the ranks: it includes
-``create_shared_cache``, the constructor and ``fill()``) to the first batch of the slowest rank; the epoch times; the
-computations of the cached transforms in all processes (a deterministic pass-through at the end of the cached chain
-appends a line to a file, ``O_APPEND``); the peak footprint of the variant's whole process tree (launcher, ranks,
-workers: ``procmem.PeakSampler``, the store's files included). Targets, ratios within the run: the shared eager fill
-computes each item once per node, its time to first batch is <= 0.6x and its footprint <= 0.55x those of upstream
-eager per rank. The interpreters, torch, the workers and their transients take about 2 GiB in every variant, so
-the data (24 items of 156 MiB, 3.7 GiB per copy) must dominate for the ratios to be about the caches: ``--small``
-runs the code, its targets fail by design.
-
-Each variant runs in fresh processes: a launcher (``--launch``, standard library only) starts the ranks of
-``bench_ddp_rank.py`` with a torchrun-like environment and ``PYTHONPATH`` set to the pristine upstream tree or to the
-fork's ``build/tree`` (prepared as ``bench_cache.py`` does), in a session of its own; every wait has a timeout, and
-whatever is left of the session is killed. This driver samples the memory of the launcher's tree, checks that the
-store's directory is gone, and writes ``<out-dir>/ddp/results.json`` (data in ``<out-dir>/ddp-data``, logs in
-``<out-dir>/ddp/<variant>/``). ``run_section(args, out_dir, trees)`` and ``report_lines(result)`` serve the
-``bench_cache.py`` driver (``--sections ddp``).
+Each variant runs in fresh processes: a launcher (``--launch``) starts the ranks (``--rank``) with a torchrun-like
+environment and ``PYTHONPATH`` set to its tree, in a session of its own. Measured: the time to first batch of the
+slowest rank (from a barrier before the dataset's setup), the computations of the cached transforms in all
+processes (a pass-through at the end of the cached chain appends a line to a file), and the peak footprint of the
+variant's whole process tree with the store's files (``procmem.PeakSampler``). The data (24 items of 156 MiB) must
+dominate the 2 GiB that interpreters, torch and workers take in every variant for the footprint ratio to be about
+the caches: with ``--small`` the footprint target fails by design.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import signal
@@ -57,62 +35,32 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import procmem
-from bench_common import DEFAULT_OUT, FORK_TREE, MIB, plain_table
-from bench_run import prepare_trees
-
-RANK_SCRIPT = Path(__file__).resolve().with_name("bench_ddp_rank.py")
-
-VARIANTS: dict[str, dict[str, str]] = {
-    "upstream_eager": {"label": "1. upstream eager per rank + DistributedSampler", "tree": "upstream"},
-    "upstream_partition": {"label": "2. upstream eager, partition_dataset", "tree": "upstream"},
-    "shared_lazy": {"label": "3. fork lazy shared store", "tree": "fork"},
-    "shared_fill": {"label": "4. fork shared store + fill()", "tree": "fork"},
+VARIANTS = {"upstream_eager": "upstream", "shared_lazy": "fork", "shared_fill": "fork"}  # variant: tree
+TARGETS = {  # shared_fill against upstream_eager, in the format of bench_cache.TARGETS
+    "ddp_computed": ("ddp shared store + fill(): computations per item (all ranks and workers)", 1, "<="),
+    "ddp_footprint": ("ddp shared store + fill(): peak footprint vs upstream eager per rank", 0.55, "<="),
 }
-TARGETS = {"ttfb_ratio": 0.6, "footprint_ratio": 0.55}  # shared fill vs upstream eager per rank, at most
 
 
-def _config(args: argparse.Namespace) -> dict[str, Any]:
-    small = bool(getattr(args, "small", False))
-    cfg: dict[str, Any] = {
-        "items": 8 if small else 24,
-        "shape": [96, 96, 64] if small else [320, 320, 200],
-        "crop": 32 if small else 64,
-        "epochs": 2 if small else 3,
-        "world": 2,
-        "workers": 2,  # DataLoader workers per rank
-        "cache_threads": 1,  # CacheDataset(num_workers=...), upstream's default: the 2 ranks keep the 2 cores busy
-        "batch_size": 2,  # items per batch, 2 random crops each
-        "timeout": float(getattr(args, "timeout", None) or 900),
-    }
-    if getattr(args, "ddp_items", None):
-        cfg["items"] = int(args.ddp_items)
-    if getattr(args, "ddp_epochs", None):
-        cfg["epochs"] = int(args.ddp_epochs)
-    return cfg
-
-
-def make_data(data_dir: Path, n: int, shape: list[int]) -> list[dict[str, str]]:
+def make_data(folder: Path, n: int, shape: list[int]) -> list[dict[str, str]]:
     """Synthetic CT-like volumes (int16 image, uint8 label of a few spheres) as ``.nii.gz``, written once."""
-    tag = f"{n}x{'x'.join(map(str, shape))}"
-    folder = data_dir / tag
+    folder = folder / f"{n}x{'x'.join(map(str, shape))}"
     files = [
         {"image": str(folder / f"img{i:03d}.nii.gz"), "label": str(folder / f"seg{i:03d}.nii.gz")} for i in range(n)
     ]
-    if (folder / "done.json").exists():
+    if (folder / "done").exists():
         return files
     import nibabel as nib
     import numpy as np
 
     folder.mkdir(parents=True, exist_ok=True)
+    grid = np.ogrid[tuple(slice(0, s) for s in shape)]
     for i, item in enumerate(files):
         rng = np.random.default_rng(i)
         label = np.zeros(shape, np.uint8)
-        grid = np.ogrid[tuple(slice(0, s) for s in shape)]
         for _ in range(6):
             radius = rng.uniform(min(shape) / 12, min(shape) / 6)
             center = [rng.uniform(radius, s - radius) for s in shape]
@@ -120,208 +68,235 @@ def make_data(data_dir: Path, n: int, shape: list[int]) -> list[dict[str, str]]:
         image = (label * 300.0 + 100.0 + rng.normal(0.0, 20.0, shape)).astype(np.int16)
         nib.Nifti1Image(image, np.eye(4)).to_filename(item["image"])
         nib.Nifti1Image(label, np.eye(4)).to_filename(item["label"])
-    (folder / "done.json").write_text(json.dumps({"items": n, "shape": shape}))
+    (folder / "done").touch()
     return files
 
 
-def _log(msg: str) -> None:
-    print(f"[bench_ddp {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+_Transform: type = object
+if "--rank" in sys.argv:  # CacheDataset caches up to the first step that is not a monai Transform; the driver has
+    from monai.transforms import Transform as _Transform  # no monai on its path
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class CountComputations(_Transform):  # type: ignore[misc,valid-type]
+    """The last cached step: appends a line to ``log`` (``O_APPEND``: atomic for a short write) per computation."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __call__(self, data: dict) -> dict:
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+        return data
 
 
-def _launch(cfg_path: str) -> int:
-    """The launcher process (torchrun-like): start the ranks, stop them all if one fails or the time is up."""
+def count_lines(path: str) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def rank_main(cfg: dict) -> None:
+    """One rank: the tutorial's training loop; writes ``rank<r>.json`` into the variant's work directory."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data.distributed import DistributedSampler
+
+    from monai.data import CacheDataset, DataLoader
+    from monai.losses import DiceLoss
+    from monai.networks.nets import UNet
+    from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandCropByPosNegLabeld, ScaleIntensityd
+    from monai.utils import set_determinism
+
+    variant, work = cfg["variant"], cfg["work"]
+    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["timeout"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)  # the ranks and their workers share the cores
+    set_determinism(seed=0)
+    keys, log = ["image", "label"], os.path.join(work, "computations.log")
+    transform = Compose(
+        [
+            LoadImaged(keys, image_only=True),
+            EnsureChannelFirstd(keys),
+            ScaleIntensityd("image"),
+            CountComputations(log),
+            RandCropByPosNegLabeld(keys, "label", spatial_size=(cfg["crop"],) * 3, pos=1, neg=1, num_samples=2),
+        ]
+    )
+    out: dict[str, Any] = {}
+    dist.barrier()
+    start = time.perf_counter()
+    store = None
+    if variant.startswith("shared"):
+        from monai.data import create_shared_cache
+
+        store = create_shared_cache()  # collective: every rank calls it once
+        if rank == 0:
+            Path(work, "store_dir.txt").write_text(store.path)
+    ds = CacheDataset(cfg["files"], transform, num_workers=1, progress=False, runtime_cache=store or False)
+    if variant == "shared_fill":
+        ds.fill()
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(ds, batch_size=2, sampler=sampler, num_workers=2)
+    net = UNet(spatial_dims=3, in_channels=1, out_channels=1, channels=(8, 16, 32), strides=(2, 2), num_res_units=1)
+    model = DistributedDataParallel(net)
+    opt, loss_fn = torch.optim.Adam(model.parameters(), 1e-3), DiceLoss(sigmoid=True)
+    out["epoch_s"] = []
+    for epoch in range(cfg["epochs"]):
+        sampler.set_epoch(epoch)
+        dist.barrier()
+        epoch_start = time.perf_counter()
+        for batch in loader:
+            out.setdefault("first_batch_s", time.perf_counter() - start)
+            opt.zero_grad()
+            loss_fn(model(batch["image"]), batch["label"]).backward()
+            opt.step()
+        dist.barrier()
+        out["epoch_s"].append(time.perf_counter() - epoch_start)
+    del loader, ds
+    if store is not None:
+        store.close()  # the directory goes with the last rank that closes it
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(work, f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def launch(cfg_path: str) -> int:
+    """The launcher (torchrun-like): start the ranks, stop them all if one fails or the time is up."""
     cfg = json.loads(Path(cfg_path).read_text())
-    world, work = cfg["world"], Path(cfg["work"])
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     procs = []
-    for rank in range(world):
-        with open(work / f"rank{rank}.log", "w") as log:
-            cmd = [sys.executable, str(RANK_SCRIPT), cfg_path]
-            renv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), BENCH_DDP_LAUNCHED=repr(time.time()))
+    for rank in range(2):
+        with open(Path(cfg["work"], f"rank{rank}.log"), "w") as log:
+            renv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            cmd = [sys.executable, __file__, "--rank", cfg_path]
             procs.append(subprocess.Popen(cmd, env=renv, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + cfg["timeout"]
-    while any(p.poll() is None for p in procs):
-        if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
             break
         time.sleep(0.2)
     for p in procs:
         if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
             p.kill()
-            p.wait(timeout=15)
+        p.wait()
     return 0 if all(p.returncode == 0 for p in procs) else 1
 
 
-def _run_variant(name: str, tree: Path, base: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Run one variant in fresh processes: times, computations and the peak footprint of the launcher's tree."""
-    work = out_dir / "ddp" / name
+def run_variant(name: str, tree: Path, base: dict[str, Any], out: Path) -> dict[str, Any]:
+    import procmem
+
+    work = out / "ddp" / name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    cfg = dict(base, variant=name, work=str(work))
-    (work / "config.json").write_text(json.dumps(cfg))
-    store_file = work / "store_dir.txt"  # written by rank 0 of the fork's variants
+    (work / "config.json").write_text(json.dumps(dict(base, variant=name, work=str(work))))
+    store_file = work / "store_dir.txt"
 
     def store_dirs() -> list[str]:
         return [store_file.read_text().strip()] if store_file.exists() else []
 
-    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONPYCACHEPREFIX=str(out_dir / "pycache"))
-    env["MONAI_CACHE_FAST_PATH"] = "1"  # the fork's variants measure the full stack (ignored by the upstream tree)
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONPYCACHEPREFIX=str(out / "pycache"), MONAI_CACHE_FAST_PATH="1")
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    _log(f"start {name} ({tree})")
-    result: dict[str, Any] = dict(VARIANTS[name])
-    start, code = time.perf_counter(), None
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--launch", str(work / "config.json")]
+    start = time.perf_counter()
+    cmd = [sys.executable, __file__, "--launch", str(work / "config.json")]
     launcher = subprocess.Popen(cmd, env=env, cwd=str(work), start_new_session=True)
     try:
         with procmem.PeakSampler(root_pid=launcher.pid, store_dirs=store_dirs, interval=0.4) as sampler:
-            code = launcher.wait(timeout=cfg["timeout"] + 60)
+            code = launcher.wait(timeout=base["timeout"] + 60)
     except subprocess.TimeoutExpired:
-        result["error"] = f"timed out after {cfg['timeout'] + 60:.0f} s"
+        code = None
     finally:  # whatever is left of the variant's session: nothing, unless something failed
         try:
             os.killpg(launcher.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        launcher.wait(timeout=30)
-    result["wall_s"] = time.perf_counter() - start
-    result["peak"] = {k: v for k, v in (sampler.result or {}).items() if k != "per_process_pss_kib"}
-    left = [d for d in store_dirs() if os.path.exists(d)]
-    result["store_removed"] = not left if store_dirs() else None
-    for d in left:  # the store goes with its last participant: a leftover is reported, then removed
+        launcher.wait()
+    result: dict[str, Any] = {"tree": tree.name, "wall_s": time.perf_counter() - start}
+    result["store_left"] = [d for d in store_dirs() if os.path.exists(d)]
+    for d in result["store_left"]:
         shutil.rmtree(d, ignore_errors=True)
     ranks = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
-    if code != 0 or len(ranks) != cfg["world"]:
-        logs = "".join(p.read_text()[-2000:] for p in sorted(work.glob("rank*.log")))
-        result.setdefault("error", f"exit {code}: {logs}")
-        _log(f"FAILED {name}: {result['error'][-400:]}")
-        return result
-    log = work / "computations.log"
-    result["computations"] = len(log.read_text().splitlines()) if log.exists() else 0
-    for key in ("first_batch_s", "first_batch_from_launch_s", "setup_s"):
-        result[key] = max(r[key] for r in ranks)  # the slowest rank
-    for key in ("epoch_s", "computations_after_setup", "computations_after_epoch", "loss", "cache_stats"):
-        result[key] = ranks[0].get(key)
-    _log(f"done  {name} in {result['wall_s']:.1f} s")
+    if code != 0 or len(ranks) != 2:
+        logs = "".join(p.read_text()[-1500:] for p in sorted(work.glob("rank*.log")))
+        return dict(result, error=f"exit {code}: {logs}")
+    result["computed"] = count_lines(str(work / "computations.log"))
+    result["first_batch_s"] = max(r["first_batch_s"] for r in ranks)
+    result["epoch_s"] = ranks[0]["epoch_s"]
+    result["footprint_mib"] = sampler.result["footprint_bytes"] / 2**20
+    result["shm_mib"] = sampler.result["shm_bytes"] / 2**20
     return result
 
 
-def _prepare_trees(args: argparse.Namespace, out_dir: Path) -> dict[str, Path]:
-    """The fork's tree (``layout --if-stale``) and the pristine upstream tree, prepared as ``bench_cache.py`` does."""
-    ns = argparse.Namespace(no_refresh=bool(getattr(args, "no_refresh", False)), skip_upstream=False)
-    upstream = prepare_trees(ns, out_dir)  # skip_upstream=False: always a tree
-    assert upstream is not None
-    return {"fork": FORK_TREE, "upstream": upstream}
-
-
-def _checks(variants: dict[str, Any], items: int) -> list[dict[str, Any]]:
-    """The targets, in the format of ``bench_cache.py``'s checks (status, value, limit, text, shown, line)."""
-    fill, eager = variants.get("shared_fill", {}), variants.get("upstream_eager", {})
-    ok = bool(fill) and bool(eager) and "error" not in fill and "error" not in eager
-    n = fill.get("computations") if ok else None
-    text = "shared eager fill: computations per node == items"
-    rows: list[tuple[str, str, Any, float, bool | None, str]] = [
-        ("fill_once", text, n, items, None if n is None else n == items, f"{n} for {items} items")
-    ]
-    ttfb = fill["first_batch_s"] / eager["first_batch_s"] if ok else None
-    footprint = fill["peak"]["footprint_bytes"] / eager["peak"]["footprint_bytes"] if ok else None
-    for key, text, value in (
-        ("ttfb_ratio", "shared eager fill time to first batch vs upstream eager per rank", ttfb),
-        ("footprint_ratio", "shared eager fill peak footprint vs upstream eager per rank", footprint),
-    ):
-        shown = "n/a" if value is None else f"{value:.2f}x (<= {TARGETS[key]:g}x)"
-        rows.append((key, text, value, TARGETS[key], None if value is None else value <= TARGETS[key], shown))
-    checks = []
-    for name, text, value, limit, passed, shown in rows:
-        status = "SKIP" if passed is None else ("PASS" if passed else "FAIL")
-        line = f"{status}  {text}: {shown}"
-        checks.append(dict(name=name, status=status, value=value, limit=limit, text=text, shown=shown, line=line))
-    return checks
-
-
-def run_section(args: argparse.Namespace, out_dir: Path | str, trees: Mapping[str, Path] | None = None) -> dict:
-    """Run the 4 variants; ``trees`` maps ``"fork"`` and ``"upstream"`` to their trees (prepared here if None)."""
-    out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    trees = dict(trees) if trees else _prepare_trees(args, out_dir)
-    cfg = _config(args)
-    _log(f"synthetic NIfTI data: {cfg['items']} volumes of {cfg['shape']} in {out_dir / 'ddp-data'}")
-    cfg["files"] = make_data(out_dir / "ddp-data", cfg["items"], cfg["shape"])
-    variants = {name: _run_variant(name, Path(trees[v["tree"]]), cfg, out_dir) for name, v in VARIANTS.items()}
-    del cfg["files"]
-    result: dict[str, Any] = {"config": cfg, "variants": variants, "checks": _checks(variants, cfg["items"])}
-    result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    result["elapsed_s"] = time.perf_counter() - started
-    (out_dir / "ddp" / "results.json").write_text(json.dumps(result, indent=1, default=str))
-    return result
-
-
-def report_lines(result: dict[str, Any]) -> list[str]:
-    """The plain-text report of :func:`run_section`: the setup, a table of the variants, the targets."""
-    if "variants" not in result:
-        return [f"ddp section failed: {str(result.get('error', 'no result')).strip()[-2000:]}"]
-    cfg, variants = result["config"], result["variants"]
-    item = 8 * math.prod(cfg["shape"])  # image and label, float32 after LoadImaged
+def run_section(small: bool, out: Path, trees: dict[str, Path], timeout: float) -> tuple[dict, list[str]]:
+    """The variants, their table, and ``checks`` (the values of :data:`TARGETS`)."""
+    cfg: dict[str, Any] = {"items": 8 if small else 24, "shape": [96, 96, 64] if small else [320, 320, 200]}
+    cfg.update(crop=32 if small else 64, epochs=2, timeout=timeout)
+    cfg["files"] = make_data(out / "ddp-data", cfg["items"], cfg["shape"])
+    variants = {k: v for k, v in VARIANTS.items() if not (small and k == "shared_lazy")}  # --small: under 2 minutes
+    res: dict[str, Any] = {name: run_variant(name, trees[tree], cfg, out) for name, tree in variants.items()}
+    item_mib = 8 * cfg["shape"][0] * cfg["shape"][1] * cfg["shape"][2] / 2**20  # image and label, float32
     lines = [
-        f"{cfg['world']} ranks x {cfg['workers']} DataLoader workers (gloo, CPU); {cfg['items']} NIfTI volumes of "
-        f"{'x'.join(map(str, cfg['shape']))}, cached item (image + label float32) {item / MIB:.0f} MiB, one copy "
-        f"{cfg['items'] * item / MIB:.0f} MiB; crops {cfg['crop']}^3 x 2, batch {cfg['batch_size']}, "
-        f"{cfg['epochs']} epochs; CacheDataset(num_workers={cfg['cache_threads']})",
-        "1st batch: seconds from the start of the dataset setup (after a barrier; includes create_shared_cache, the "
-        "constructor and fill()) to the first batch, slowest rank. computed: runs of the cached transforms, all "
-        "processes, whole run. footprint: peak over the variant's process tree (procmem).",
+        f"2 ranks x 2 workers (gloo, CPU); {cfg['items']} NIfTI volumes of {'x'.join(map(str, cfg['shape']))}, "
+        f"cached item {item_mib:.0f} MiB, one copy {cfg['items'] * item_mib:.0f} MiB; crops {cfg['crop']}^3 x 2, "
+        f"batch 2, {cfg['epochs']} epochs",
+        f"{'variant':16s} {'tree':>14s} {'computed':>9s} {'1st batch s':>12s} {'epochs s':>12s} "
+        f"{'peak MiB':>9s} {'shm MiB':>8s} {'x upstream':>10s}",
     ]
-    head = ["variant", "tree", "computed", "1st batch s", "epochs s", "wall s", "peak footprint MiB", "shm MiB", "x 1."]
-    rows: list[list[str]] = []
-    eager = variants.get("upstream_eager", {}).get("peak", {}).get("footprint_bytes")
-    for v in variants.values():
-        if "error" in v:
-            rows.append([v["label"], v["tree"], "error", *[""] * 6])
+    eager = res["upstream_eager"].get("footprint_mib")
+    for name, r in res.items():
+        if "error" in r:
+            lines.append(f"{name:16s} error: {r['error'].strip().splitlines()[-1] if r['error'].strip() else ''}")
             continue
-        fp = v["peak"]["footprint_bytes"]
-        epochs = " / ".join(f"{t:.1f}" for t in v["epoch_s"])
-        row = [v["label"], v["tree"], str(v["computations"]), f"{v['first_batch_s']:.1f}", epochs, f"{v['wall_s']:.0f}"]
-        rows.append(
-            row + [f"{fp / MIB:.0f}", f"{v['peak']['shm_bytes'] / MIB:.0f}", f"{fp / eager:.2f}" if eager else ""]
+        epochs = " / ".join(f"{t:.1f}" for t in r["epoch_s"])
+        ratio = f"{r['footprint_mib'] / eager:.2f}" if eager else "n/a"
+        lines.append(
+            f"{name:16s} {r['tree']:>14s} {r['computed']:9d} {r['first_batch_s']:12.1f} {epochs:>12s} "
+            f"{r['footprint_mib']:9.0f} {r['shm_mib']:8.0f} {ratio:>10s}"
         )
-    lines += ["", *plain_table(head, rows).splitlines(), "", "TARGETS (ratios measured in this run):"]
-    lines += [f"  {c['line']}" for c in result["checks"]]
-    for name, v in variants.items():
-        if v.get("store_removed") is False:
-            lines.append(f"  NOTE  {name}: the store's directory was left behind (removed by the benchmark)")
-        if "error" in v:
-            lines.append(f"  ERROR {name}: {(v['error'].strip().splitlines() or [''])[-1]}")
-        if v.get("cache_stats"):
-            lines.append(f"  {name}: rank 0 ds.cache_stats() at the end: {v['cache_stats']}")
-    lines.append(f"section time {result['elapsed_s']:.0f} s (load average at the end {result['loadavg_end'][0]})")
-    return lines
+        if r["store_left"]:
+            lines.append(f"  {name}: the store's directory was left behind (removed)")
+    fill = res["shared_fill"]
+    res["checks"] = {
+        "ddp_computed": fill["computed"] / cfg["items"] if "computed" in fill else None,
+        "ddp_footprint": fill["footprint_mib"] / eager if eager and "footprint_mib" in fill else None,
+    }
+    del cfg["files"]
+    res["config"] = cfg
+    return res, lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--small", action="store_true", help="8 small volumes, 2 epochs: a quick run")
-    parser.add_argument("--out-dir", default=str(DEFAULT_OUT), help="output directory (default benchmarks/output)")
-    parser.add_argument("--ddp-items", type=int, help="number of volumes (default 24, --small 8)")
-    parser.add_argument("--ddp-epochs", type=int, help="epochs (default 3, --small 2)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed for each variant")
-    parser.add_argument("--no-refresh", action="store_true", help="do not refresh build/tree (layout --if-stale)")
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--small", action="store_true", help="8 small volumes: a quick run")
+    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "output"))
+    parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--launch", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    parser.add_argument("--rank", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank:
+        rank_main(json.loads(Path(args.rank).read_text()))
+        return 0
     if args.launch:
-        return _launch(args.launch)
-    result = run_section(args, Path(args.out_dir))
-    print("\n".join(report_lines(result)))
+        return launch(args.launch)
+    import bench_cache
+
+    out = Path(args.out_dir).resolve()
+    res, lines = run_section(args.small, out, bench_cache.prepare_trees(out), args.timeout)
+    print("\n".join(lines))
+    for key, (text, limit, _) in TARGETS.items():
+        value = res["checks"][key]
+        ok = value is not None and value <= limit
+        print(f"{'PASS' if ok else 'FAIL'}  {text}: {'n/a' if value is None else f'{value:.3g}'} (<= {limit:g})")
     return 0
 
 
