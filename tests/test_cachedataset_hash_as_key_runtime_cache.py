@@ -48,9 +48,11 @@ class TestCacheDatasetHashAsKeyRuntimeCache(unittest.TestCase):
     @parameterized.expand([(True,), ("thread",), ("process",), ("proxy",)])
     def test_duplicates_load_the_input_asked_for(self, mode):
         """#5633: with ``data=[a, a, b]``, item 2 was computed from ``data[1]``, and cached as ``b``'s item."""
-        manager = Manager()
-        self.addCleanup(manager.shutdown)
-        cache = manager.list([None] * 3) if mode == "proxy" else mode
+        cache = mode
+        if mode == "proxy":
+            manager = Manager()
+            self.addCleanup(manager.shutdown)
+            cache = manager.list([None] * 3)
         data = [{"id": 1}, {"id": 1}, {"id": 5}, {"id": 7}, {"id": 5}]
         ds = CacheDataset(data, Compose([Load(self.log)]), hash_as_key=True, runtime_cache=cache)
         workers = 0 if mode in (True, "thread") else 2  # a list is private to the process that fills it

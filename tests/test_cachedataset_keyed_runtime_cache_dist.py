@@ -32,13 +32,16 @@ class TestCacheDatasetKeyedRuntimeCacheDist(DistTestCase):
         data = list(range(10))
         dataset = CacheDataset(data=data, transform=ToTensor(track_meta=False), runtime_cache=obj_list[0])
         sampler = DistributedSampler(dataset=dataset, shuffle=True)
-        dataloader = DataLoader(dataset=dataset, sampler=sampler, batch_size=None, num_workers=2, persistent_workers=True)
+        dataloader = DataLoader(
+            dataset=dataset, sampler=sampler, batch_size=None, num_workers=2, persistent_workers=True, timeout=120
+        )
         for epoch in range(3):
             sampler.set_epoch(epoch)
             self.assertEqual([int(d) for d in dataloader], [data[i] for i in sampler])
             dist.barrier()
         self.assertEqual(sorted(obj_list[0].keys()), sorted(dataset.cache_key(i) for i in data))
         self.assertEqual(sorted(int(v) for v in obj_list[0].values()), data)
+        del dataloader  # its workers hold the container: gone before the Manager is
         dist.barrier()
         if manager:
             manager.shutdown()

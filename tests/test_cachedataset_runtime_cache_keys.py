@@ -81,11 +81,11 @@ class TestCacheDatasetRuntimeCacheKeys(unittest.TestCase):
         """A pre-filled container, and datasets over other data or transforms that share one."""
         junk = [None, ("junk", 1), {"src": -1}, ("k", {"src": -2}), (b"k", 5), 5]
         cache = self.manager.list(junk) if mode == "proxy" else list(junk)
-        other = CacheDataset([40, 41], Compose([Load(), AddOne()]), runtime_cache=cache)
         ds = CacheDataset(DATA, Compose([Load(), AddOne()]), runtime_cache=cache)
         scaled = CacheDataset(
             DATA, Compose([Load(scale=10), AddOne()]), runtime_cache=cache, hash_transform=json_hashing
         )
+        other = CacheDataset([40, 41], Compose([Load(), AddOne()]), runtime_cache=cache)  # shorter, last
         for _ in range(2):
             for i in DATA:
                 self.check(ds[i], i)
@@ -122,12 +122,19 @@ class TestCacheDatasetRuntimeCacheKeys(unittest.TestCase):
         self.assertEqual(dup.cache_key(0), pickle_hashing(5).decode())
 
     def test_own_containers_unchanged(self):
-        """The lists of ``True`` and ``"thread"`` and the ``Manager`` list of ``"process"`` hold the items alone."""
-        for mode in (True, "thread", "process"):
+        """The lists of ``True`` and ``"thread"`` hold the items alone, as before."""
+        for mode in (True, "thread"):
             ds = CacheDataset(DATA, Compose([Load(), AddOne()]), runtime_cache=mode)
             self.check(ds[3], 3)
+            self.assertIs(type(ds._cache), list)
             self.assertEqual(ds._cache[3]["src"], 3)
-            self.assertTrue(type(ds._cache) is list or type(ds._cache).__name__ == "ListProxy")
+
+    def test_hash_func_of_str(self):
+        """A ``hash_func`` that returns ``str`` keys the slots too."""
+        ds = CacheDataset(DATA, Compose([Load(), AddOne()]), runtime_cache=[], hash_func=lambda x: f"input {x}")
+        self.assertEqual(ds.cache_key(2), "input 2")
+        for _ in range(2):
+            self.check(ds[2], 2)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,13 @@ class TestCacheDatasetRuntimeCacheKeysDist(DistTestCase):
         for order in (data, data, data[::-1]):
             if order != dataset.data:
                 dataset.set_data(order)  # the same container, resynced
-            dataloader = DataLoader(dataset=dataset, batch_size=None, num_workers=2, persistent_workers=True)
+            dataloader = DataLoader(
+                dataset=dataset, batch_size=None, num_workers=2, persistent_workers=True, timeout=120
+            )
             for _ in range(2):
                 self.assertEqual([int(d) for d in dataloader], order)
             dist.barrier()
+        del dataloader  # its workers hold the container: gone before the Manager is
         dist.barrier()
         if manager:
             manager.shutdown()

@@ -55,25 +55,51 @@ class TestCacheDatasetRuntimeCacheSize(unittest.TestCase):
         """#5633: an empty, short or long container, read by DataLoader workers."""
         cache = self.manager.list([None] * length) if mode == "proxy" else [None] * length
         ds = CacheDataset(DATA, Compose([Load(self.log)]), cache_rate=0.5, runtime_cache=cache)
-        self.assertEqual(len(cache), 4)
+        self.assertEqual(len(cache), max(length, 4))  # grown to cache_num, never trimmed
         workers = 2 if mode == "proxy" else 0  # a list is private to the process that fills it
         loader = DataLoader(ds, batch_size=1, num_workers=workers, timeout=60 if workers else 0)
         for _ in range(2):
             self.assertEqual([int(b[0, 0, 0]) for b in loader], DATA)
         self.assertEqual(computed(self.log), [0, 1, 2, 3] + [4, 4, 5, 5, 6, 6, 7, 7])  # the cached half once
 
-    def test_set_data_resizes(self):
+    def test_set_data_grows_and_datasets_share(self):
+        """``set_data`` grows the same container; datasets of other lengths share it without losing slots."""
         cache = self.manager.list()
         ds = CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache)
+        short = CacheDataset(DATA[:3], Compose([Load(self.log)]), runtime_cache=cache)
         for data in (DATA[:3], DATA + [8, 9]):
             ds.set_data(data)
-            self.assertEqual(len(cache), len(data))
+            self.assertEqual(len(cache), max(len(data), len(DATA)))
             self.assertEqual([int(ds[i][0, 0]) for i in range(len(data))], data)
+            self.assertEqual([int(short[i][0, 0]) for i in range(3)], DATA[:3])
 
     @parameterized.expand([((None, None),), (range(3),), (b"xyz",)])
-    def test_not_resizable(self, cache):
-        with self.assertRaisesRegex(ValueError, f"length {len(cache)} .* cache_num=8; accepted"):
+    def test_not_growable(self, cache):
+        with self.assertRaisesRegex(ValueError, rf"\(length {len(cache)}\) .* cache_num=8 slots; accepted"):
             CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache)
+
+    def test_long_enough_fixed_size(self):
+        """A container of ``cache_num`` slots or more is used as it is, whatever it can do besides indexing."""
+
+        class Fixed:
+            def __init__(self, n):
+                self.slots = [None] * n
+
+            def __len__(self):
+                return len(self.slots)
+
+            def __getitem__(self, i):
+                return self.slots[i]
+
+            def __setitem__(self, i, v):
+                self.slots[i] = v
+
+        cache = Fixed(8)
+        ds = CacheDataset(DATA, Compose([Load(self.log)]), cache_rate=0.5, runtime_cache=cache)
+        for _ in range(2):
+            self.assertEqual([int(ds[i][0, 0]) for i in DATA], DATA)
+        self.assertEqual(len(cache), 8)
+        self.assertEqual(computed(self.log), [0, 1, 2, 3] + [4, 4, 5, 5, 6, 6, 7, 7])
 
     def test_unknown_mode(self):
         with self.assertRaisesRegex(ValueError, "'proc' names no mode; accepted"):
