@@ -117,7 +117,9 @@ class TestCacheDatasetRuntimeCacheKeys(unittest.TestCase):
         self.assertIsNone(ds.cache_key(4))  # not cached
         with self.assertRaises(IndexError):
             ds.cache_key(8)
-        dup = CacheDataset([5, 5, 6], Compose([Load()]), hash_as_key=True, cache_num=1, runtime_cache=[])
+        dup = CacheDataset(
+            [5, 5, 6], Compose([Load()]), hash_as_key=True, cache_num=1, runtime_cache=[], hash_transform=lambda t: b""
+        )
         self.assertEqual([dup.cache_key(i) is None for i in range(3)], [False, False, True])
         self.assertEqual(dup.cache_key(0), pickle_hashing(5).decode())
 
@@ -131,7 +133,13 @@ class TestCacheDatasetRuntimeCacheKeys(unittest.TestCase):
 
     def test_hash_func_of_str(self):
         """A ``hash_func`` that returns ``str`` keys the slots too."""
-        ds = CacheDataset(DATA, Compose([Load(), AddOne()]), runtime_cache=[], hash_func=lambda x: f"input {x}")
+        ds = CacheDataset(
+            DATA,
+            Compose([Load(), AddOne()]),
+            runtime_cache=[],
+            hash_func=lambda x: f"input {x}",
+            hash_transform=lambda t: b"",
+        )
         self.assertEqual(ds.cache_key(2), "input 2")
         for _ in range(2):
             self.check(ds[2], 2)
