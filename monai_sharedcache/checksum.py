@@ -16,10 +16,12 @@ restored in part. The item format checks an item's header, lengths and pickle st
 of the whole item file is kept in an extended attribute of the file (``user.monai.sum``), set on the temporary file
 before the store renames it into place, so that an item and its checksum are published together. The first read of an
 item in a run (a session of the persistent store) checks it and records that it did (``user.monai.seen``: the
-session), so that the run's other processes trust it, and each process remembers the files it checked.
+session), so that the run's other processes trust it, and each process remembers the files it checked. A first read
+that checks costs what hashing the whole item costs; on a file system that keeps checksums of its own (btrfs, ZFS),
+``MONAI_CACHE_CHECKSUMS=0`` turns them off: items are then written without one and read unchecked.
 
 The digest is XXH3-64 of the ``xxhash`` package where it is installed, else zlib's CRC-32; the attribute names its
-algorithm, so that either reads what the other wrote (``benchmarks/bench_checksum.py`` measures them, with blake2b).
+algorithm, so that either reads what the other wrote (``benchmarks/bench_cache.py`` measures the cost of a checked first read).
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ except ImportError:  # the fork's wheel requires it; CRC-32 is slower, and as go
     xxhash = None  # type: ignore[assignment]
 
 SUM, SEEN = "user.monai.sum", "user.monai.seen"
+ENV = "MONAI_CACHE_CHECKSUMS"  # "0": no checksums, for file systems that keep their own (btrfs, ZFS)
+
+
+def enabled() -> bool:
+    """Whether this process keeps and checks checksums: unless ``$MONAI_CACHE_CHECKSUMS`` is ``0``."""
+    return os.environ.get(ENV, "1").strip() != "0"
+
 # no extended attributes on this file system (or for this user): its items are read unchecked
 UNSUPPORTED = {errno.ENOTSUP, getattr(errno, "EOPNOTSUPP", errno.ENOTSUP)}
 _ATTRIBUTES = hasattr(os, "setxattr")  # Linux: not macOS, where the store works too

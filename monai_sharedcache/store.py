@@ -371,7 +371,7 @@ class SharedCacheStore:
         self._room = threading.local()  # per thread: the bytes that its put reserved in the count, the file it reads
         self._writes_dir: Any = None
         self._turns_dir: Any = None  # opened once per store object
-        self._sums = True  # checksums of a persistent store on a disk, and the files that this process checked
+        self._sums = checksum.enabled()  # checksums of a persistent store on a disk, and the files this process checked
         self._checked: set[tuple[int, int, int, int]] = set()
         self._used = budget.Used(lambda: self._directory, self._recount, lambda: bool(self._writes().names()))
         ref = weakref.ref(self)  # not the store itself: its counts would keep it alive
@@ -911,7 +911,7 @@ class SharedCacheStore:
         run; not those that this run wrote, nor those of a store in memory.
         """
         session = self._session
-        if session is None or st.st_mtime_ns >= session or self._in_memory():
+        if session is None or not self._sums or st.st_mtime_ns >= session or self._in_memory():
             return True
         ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
         if ident in self._checked:
