@@ -23,9 +23,8 @@ from unittest import mock
 import numpy as np
 from parameterized import parameterized
 
-from monai.data import SharedCacheStore
-from monai_sharedcache import _flock, budget, persist
-from tests import test_cache_store as core
+from monai_sharedcache import SharedCacheStore, _flock, budget, persist
+from tests.layer import test_cache_store as core
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 TIMEOUT = 120
