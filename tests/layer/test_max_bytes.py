@@ -172,7 +172,7 @@ class TestMaxBytes(unittest.TestCase):
     def test_recount_misses_no_write_that_ends_meanwhile(self):
         """A write published, and its file of a write under way removed, while the store counts: counted, not missed."""
         store = self.new_store(max_bytes=2**20, reserve=0)
-        writes = store.subdir(budget.WRITES_DIR)
+        writes = store._subdir(budget.WRITES_DIR)  # the store's own directory of the writes under way
         under_way = _flock.hold(writes, f"{'0' * 16}-{ITEM}")  # another writer's reservation, alive
         real_items = persist.items
 
