@@ -32,8 +32,9 @@ from monai.data import CacheDataset, SharedCacheStore, create_shared_cache
 from monai.transforms import Compose, Lambda
 from tests.layer import test_cachedataset_fill as fill_tests
 from tests.layer import test_cachedataset_shared_store as store_tests
+from tests.layer import test_keys as keys_tests
 from tests.layer.test_cachedataset_fill import AddOne, Load, N, computations, needs_store
-from tests.layer.test_keys import Holds, Scale, TestFileStamps, TestTransformsFingerprint
+from tests.layer.test_keys import Holds, Scale
 from tests.layer.test_real_pipelines import SHAPE, inverted, pipeline, write_nifti
 from tests.layer.test_stats import ITEM_BYTES, NO_EVENTS, counts
 from tests.test_utils import SkipIfNoModule
@@ -197,13 +198,13 @@ class TestForkNames(unittest.TestCase):
         self.assertEqual(len(os.listdir(os.path.join(store.path, ".notes"))), 1)  # its pipeline, noted
 
 
-class TestFileStampsByDefault(TestFileStamps):
+class TestFileStampsByDefault(keys_tests.TestFileStamps):
     """The key tests of tests/layer with the fork's default keys of a container: the package's, unless given."""
 
     keys: dict = {}
 
 
-class TestTransformsFingerprintByDefault(TestTransformsFingerprint):
+class TestTransformsFingerprintByDefault(keys_tests.TestTransformsFingerprint):
     keys: dict = {}
 
     def test_one_container_of_two_pipelines_is_told(self):
