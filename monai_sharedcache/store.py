@@ -690,11 +690,12 @@ class SharedCacheStore:
             ``False`` if another process or thread is computing it and ``wait`` is ``False``; else ``True`` (stored,
             or computed and refused, or not computed where it could not be stored).
         """
-        name = self._stem(key) + ".item"
+        name, tag = self._stem(key) + ".item", self._tag(key)
         if self._session is not None and self._at() is not None:
-            try:  # used by this run: never evicted for its other items
+            try:  # used by this run: never evicted for its other items; reused by the dataset of its key too
                 if persist.touch(self._directory, name, self._directory.stat(name), self._session):
-                    counters.count(self._counters, counters.REUSED)
+                    with _on_behalf(tag):
+                        counters.count(self._counters, counters.REUSED)
             except OSError:
                 pass
 
@@ -703,7 +704,6 @@ class SharedCacheStore:
 
         if self._gone or not self._writable or stored() is True or self._full():
             return True  # an item that cannot be stored would be computed for nothing
-        tag = self._tag(key)
         with _on_behalf(tag):
             return self._compute_once(key, self._counted(compute), stored, wait, tag) is not _MISS
 

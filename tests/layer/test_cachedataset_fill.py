@@ -24,8 +24,10 @@ from multiprocessing import Manager
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, SharedCacheStore
+from monai.data import CacheDataset
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
+from monai_sharedcache import SharedCacheStore, fill
+from tests.layer.layer_utils import keyed_dataset
 from tests.test_utils import skip_if_quick
 
 NO_STORE = "SharedCacheStore needs fcntl, missing on this platform"
@@ -69,9 +71,9 @@ def computations(log: str) -> Counter:
 def _fill_in_process(path: str, log: str, ready) -> None:
     """Another process of the node: joins the store by its path, and fills it with 2 threads once both are ready."""
     store = SharedCacheStore(path)
-    ds = CacheDataset(list(range(N)), Compose([Load(log, delay=0.2), AddOne()]), runtime_cache=store, progress=False)
+    ds = keyed_dataset(list(range(N)), Compose([Load(log, delay=0.2), AddOne()]), store, progress=False)
     ready.wait(TIMEOUT)
-    ds.fill(num_threads=2)
+    fill(ds, num_threads=2)
     store.close()
 
 
@@ -82,36 +84,44 @@ class TestFill(unittest.TestCase):
         self.log = os.path.join(self.tmp, "log")
 
     def runtime_cache(self, mode: str, **kwargs) -> object:
-        if mode == "listproxy":
+        """
+        The runtime cache of ``mode``: a keyed cache (``dict``, ``Manager().dict()``, a store), or a container of
+        slots of the series (``listproxy``, ``list``, ``thread``, ``process``: the fork's tests of ``ds.fill()``).
+        """
+        if mode in ("listproxy", "managerdict"):
             manager = Manager()
             self.addCleanup(manager.shutdown)
-            return manager.list()
+            return manager.list() if mode == "listproxy" else manager.dict()
         if mode == "store":
             if not SharedCacheStore.supported:
                 self.skipTest(NO_STORE)
             store = SharedCacheStore(root=self.tmp, **kwargs)
             self.addCleanup(store.close)
             return store
-        return {"eager": False, "thread": True, "process": "process", "list": []}[mode]
+        return {"eager": False, "thread": True, "process": "process", "list": [], "dict": {}}[mode]
 
     def dataset(self, mode: str, data=None, **kwargs) -> CacheDataset:
+        """A dataset of ``mode``'s runtime cache; a store's keys are its exact keys."""
         transform = Compose([Load(self.log), AddOne()])
         kwargs.setdefault("progress", False)
         cache = self.runtime_cache(mode)
-        return CacheDataset(list(range(N)) if data is None else data, transform, runtime_cache=cache, **kwargs)
+        data = list(range(N)) if data is None else data
+        if mode == "store":
+            return keyed_dataset(data, transform, cache, **kwargs)
+        return CacheDataset(data, transform, runtime_cache=cache, **kwargs)
 
     def check_items(self, ds: CacheDataset, data=None) -> None:
         for i, x in enumerate(range(N) if data is None else data):
             item = ds[i]
             self.assertTrue(item["i"] == x and torch.equal(item["img"], torch.full((2, 4), x + 1.0)), (i, item))
 
-    @parameterized.expand([("eager",), ("thread",), ("process",), ("list",), ("listproxy",), ("store",)])
+    @parameterized.expand([("eager",), ("dict",), ("managerdict",), ("store",)])
     def test_fill_computes_each_item_once(self, mode: str) -> None:
         ds = self.dataset(mode, num_workers=4)
         self.assertEqual(sum(computations(self.log).values()), N if mode == "eager" else 0)
-        ds.fill()
+        fill(ds)
         self.assertEqual(computations(self.log), Counter(range(N)))
-        ds.fill()  # everything is cached: nothing to compute
+        fill(ds)  # everything is cached: nothing to compute
         self.check_items(ds)
         self.check_items(ds)
         self.assertEqual(computations(self.log), Counter(range(N)))
@@ -123,12 +133,20 @@ class TestFill(unittest.TestCase):
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         for num_threads, expected in ((3, 3), (None, min(cpus, 8))):
             threads.clear()
-            ds = CacheDataset(list(range(8)), Compose([slow]), runtime_cache=True, progress=False)
-            ds.fill(num_threads=num_threads)
+            ds = CacheDataset(list(range(8)), Compose([slow]), runtime_cache={}, progress=False)
+            fill(ds, num_threads=num_threads)
             self.assertEqual(len(threads), expected, num_threads)
         for bad in (0, -1, 1.5, True):
             with self.assertRaisesRegex(ValueError, "num_threads must be a positive integer"):
-                ds.fill(num_threads=bad)  # type: ignore[arg-type]
+                fill(ds, num_threads=bad)  # type: ignore[arg-type]
+
+    @parameterized.expand([("thread",), ("list",), ("listproxy",)])
+    def test_a_container_of_slots_is_refused(self, mode: str) -> None:
+        """The package fills keyed caches: a container of slots is a ``TypeError`` that names it, computing nothing."""
+        ds = self.dataset(mode)
+        with self.assertRaisesRegex(TypeError, "keyed runtime cache .*such as a SharedCacheStore or a dict"):
+            fill(ds)
+        self.assertEqual(computations(self.log), Counter())
 
     def test_fill_without_waiting(self) -> None:
         """``fill(wait=False)`` of an item that another thread computes returns ``False`` at once, computing nothing."""
@@ -165,7 +183,7 @@ class TestFill(unittest.TestCase):
         with open(self.log) as f:
             by = dict(map(int, line.split()) for line in f)  # which process computed each item
         self.assertEqual(sorted(set(by.values())), sorted(p.pid for p in procs))  # both computed
-        ds = CacheDataset(list(range(N)), Compose([Load(self.log, 0.2), AddOne()]), runtime_cache=store, progress=False)
+        ds = keyed_dataset(list(range(N)), Compose([Load(self.log, 0.2), AddOne()]), store, progress=False)
         self.check_items(ds)  # every item, from the store
         self.assertEqual(computations(self.log), Counter(range(N)))
 

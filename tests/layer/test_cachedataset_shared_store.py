@@ -24,7 +24,7 @@ from parameterized import parameterized
 
 from monai.data import CacheDataset, DataLoader
 from monai.transforms import Compose, RandomizableTransform, Transform
-from monai_sharedcache import SharedCacheStore
+from monai_sharedcache import SharedCacheStore, refresh
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
@@ -89,7 +89,7 @@ class TestSharedStore(unittest.TestCase):
         store.put("other", 1)  # an item of another dataset
         ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
         self.check_epochs(ds)
-        ds.refresh()
+        refresh(ds)
         self.check_epochs(ds)
         self.assertEqual(_computed(self.log), sorted(list(range(4)) * 2))  # once before the refresh, once after
         self.assertEqual(store.get("other"), 1)

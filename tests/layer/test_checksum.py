@@ -24,10 +24,11 @@ from unittest import mock
 import numpy as np
 from parameterized import parameterized
 
-from monai.data import CacheDataset, SharedCacheStore
 from monai.transforms import Transform
+from monai_sharedcache import SharedCacheStore
 from monai_sharedcache import _memory as memory
 from monai_sharedcache import checksum
+from tests.layer.layer_utils import keyed_dataset
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 SMALL, LARGE = 1_000, 3_000_000  # float32 elements: read into a buffer, and mapped (pooled where the fast path is on)
@@ -98,7 +99,7 @@ class TestChecksums(unittest.TestCase):
         self.addCleanup(store.close)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ds = CacheDataset([0, 1], compute, runtime_cache=store)
+            ds = keyed_dataset([0, 1], compute, store)
             items = [ds[0], ds[1]]
         store.close()
         return items, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
@@ -149,7 +150,7 @@ class TestChecksums(unittest.TestCase):
             other = SharedCacheStore(self.path)
             self.addCleanup(other.close)
             for store in (first, other):
-                ds = CacheDataset([0, 1], compute, runtime_cache=store)
+                ds = keyed_dataset([0, 1], compute, store)
                 for _ in range(3):
                     np.testing.assert_array_equal(ds[1], np.arange(LARGE, dtype=np.float32) + 1)
             self.assertEqual(digest.call_count, 3)  # the new run's first read only; the joined store trusts it
@@ -159,7 +160,7 @@ class TestChecksums(unittest.TestCase):
         compute = Count(self.log)
         store = SharedCacheStore(self.path, persistent=True)
         self.addCleanup(store.close)
-        ds = CacheDataset([0, 1], compute, runtime_cache=store)
+        ds = keyed_dataset([0, 1], compute, store)
         with mock.patch.object(checksum, "digest", wraps=checksum.digest) as digest:
             for _ in range(2):  # computed and written, then read
                 self.assertEqual([ds[0][1], ds[1][1]], [1.0, 2.0])

@@ -26,9 +26,11 @@ import torch
 import torch.distributed as dist
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
+from monai.data import CacheDataset, DataLoader
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
+from monai_sharedcache import SharedCacheStore, create_shared_cache, fill
 from monai_sharedcache.distributed import process_cpus, share_of_cpus
+from tests.layer.layer_utils import keyed_dataset
 from tests.test_utils import DistCall, DistTestCase, skip_if_quick
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
@@ -90,7 +92,7 @@ class TestCreateSharedCache(DistTestCase):
 
     def dataset(self, store: SharedCacheStore, delay: float = 0.05) -> CacheDataset:
         transform = Compose([Load(self.log, delay), AddOne()])
-        return CacheDataset(list(range(N)), transform, runtime_cache=store, progress=False)
+        return keyed_dataset(list(range(N)), transform, store, progress=False)
 
     def read_all(self, ds: CacheDataset, ranks: int = 1) -> None:
         """Read every item twice with 2 DataLoader workers, which start together with those of the other ranks."""
@@ -208,7 +210,7 @@ class TestCreateSharedCache(DistTestCase):
         """2 ranks x 2 threads fill one store at once: the claims split the items, each computed once."""
         store = create_shared_cache(root=self.root, timeout=TIMEOUT)
         pids, ds = gather(os.getpid()), self.dataset(store, delay=0.2)
-        ds.fill(num_threads=2)
+        fill(ds, num_threads=2)
         dist.barrier()  # both ranks have filled: the node's cache is full
         for i in range(N):
             self.assertTrue(torch.equal(ds[i]["img"], torch.full((2, 3), i + 1.0)), i)
@@ -232,7 +234,7 @@ class TestCreateSharedCache(DistTestCase):
         slow = Lambda(lambda i: (threads.add(threading.get_ident()), time.sleep(0.05), {"i": i})[-1])
         ds = CacheDataset(list(range(N)), Compose([slow]), runtime_cache=store, progress=False)
         dist.barrier()  # the ranks fill at once
-        ds.fill()
+        fill(ds)
         self.assertLessEqual(len(threads), expected, threads)  # with all of the rank's CPUs: 2 threads on 2 cores
         dist.barrier()  # both ranks have filled
         store.close()

@@ -25,8 +25,7 @@ import unittest
 
 import numpy as np
 
-from monai.data import SharedCacheStore
-from monai_sharedcache import keys
+from monai_sharedcache import SharedCacheStore, keys
 from monai_sharedcache.keys import file_digest
 
 TIMEOUT = 120
@@ -37,16 +36,20 @@ RUN = """
 import builtins, json, sys
 import numpy as np
 import monai_sharedcache.keys as keys
-from monai.data import CacheDataset, SharedCacheStore
+from monai.data import CacheDataset
 from monai.transforms import Compose, Lambda
+from monai_sharedcache import SharedCacheStore, cache_stats
 
 reads, real_open = [], builtins.open
 keys.open = lambda path, *args, **kwargs: (reads.append(path), real_open(path, *args, **kwargs))[1]
 store = SharedCacheStore(sys.argv[1], persistent=True)
 files = json.loads(sys.argv[2])
-ds = CacheDataset(files, Compose([Lambda(lambda f: np.load(f) + 1)]), runtime_cache=store, progress=False)
+load = Compose([Lambda(lambda f: np.load(f) + 1)])
+ds = CacheDataset(
+    files, load, runtime_cache=store, hash_func=store.hash_func, hash_transform=store.hash_transform, progress=False
+)
 values = [float(ds[i][0]) for i in range(len(ds))]
-print(json.dumps({"reads": len(reads), "computed": ds.cache_stats()["process"]["computed"], "values": values}))
+print(json.dumps({"reads": len(reads), "computed": cache_stats(ds)["process"]["computed"], "values": values}))
 store.close()
 """
 

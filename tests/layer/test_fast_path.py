@@ -24,21 +24,17 @@ import tempfile
 import textwrap
 import threading
 import unittest
-from pathlib import Path
 from unittest import mock
 
 import torch
 from parameterized import parameterized
 
 import monai
-from monai.data import SharedCacheStore
-from monai_sharedcache import _flock
+from monai_sharedcache import SharedCacheStore, _flock
 from monai_sharedcache import _pages as cache_pages
 from monai_sharedcache import _pool as cache_pool
 from monai_sharedcache import budget
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fork"))
-from fork_utils import mapped_files  # noqa: E402
+from tests.layer.layer_utils import mapped_files
 
 TIMEOUT = 120
 FORK = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
@@ -49,7 +45,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([MONAI_DIR, os.environ.get("P
 OFF_SCRIPT = textwrap.dedent("""
     import gc, json, sys
     import torch
-    from monai.data import SharedCacheStore
+    from monai_sharedcache import SharedCacheStore
     from monai_sharedcache._pool import ENABLED, POOL
     store = SharedCacheStore(root=sys.argv[1])
     ok, kept = [store.put("k", {"t": torch.arange(1 << 21), "s": "x"})], []
@@ -70,7 +66,7 @@ OFF_SCRIPT = textwrap.dedent("""
 GC_SCRIPT = textwrap.dedent("""
     import gc, sys
     import numpy as np
-    from monai.data import SharedCacheStore
+    from monai_sharedcache import SharedCacheStore
     from monai_sharedcache._pool import POOL
     POOL.MIN_SIZE = 0  # pool these small items too
     st = SharedCacheStore(root=sys.argv[1])

@@ -27,9 +27,11 @@ import numpy as np
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, SharedCacheStore, transforms_hashing
+from monai.data import CacheDataset
 from monai.transforms import Compose, Lambda, Transform
-from monai_sharedcache.keys import stamp_files, transforms_fingerprint
+from monai_sharedcache import SharedCacheStore, cache_stats, transforms_hashing
+from monai_sharedcache.keys import data_key, stamp_files, transforms_fingerprint, transforms_key
+from tests.layer.layer_utils import keyed_dataset
 
 TIMEOUT = 120
 
@@ -79,15 +81,17 @@ def _run_pipeline(path: str, member: object, ready, go, results) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         store = SharedCacheStore(path)
-        ds = CacheDataset(list(range(4)), Compose([Holds(member), Scale()]), runtime_cache=store, progress=False)
+        ds = keyed_dataset(list(range(4)), Compose([Holds(member), Scale()]), store, progress=False)
         ready.set()
         go.wait(TIMEOUT)
         values = [ds[i] for i in range(4)]
         store.close()
-    results.put((values, ds.cache_stats()["process"]["computed"], _other_pipelines(caught)))
+    results.put((values, cache_stats(ds)["process"]["computed"], _other_pipelines(caught)))
 
 
 class TestTransformsFingerprint(unittest.TestCase):
+    keys: dict = {"hash_func": data_key, "hash_transform": transforms_key}  # the package's keys of a container
+
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.tmp, True)
@@ -164,7 +168,7 @@ class TestTransformsFingerprint(unittest.TestCase):
         self.assertNotEqual(transforms_hashing([Holds(multiprocessing.Value("i", 5))]), first)  # another, from 5
         store = SharedCacheStore()
         self.addCleanup(store.close)
-        ds = CacheDataset(list(range(4)), Compose([Holds(calls), Lambda(count)]), runtime_cache=store, progress=False)
+        ds = keyed_dataset(list(range(4)), Compose([Holds(calls), Lambda(count)]), store, progress=False)
         self.assertEqual([ds[i] for i in range(4)], [0, 2, 4, 6])
         ds.set_data(list(range(4)))
         ds.set_data(list(range(2, 6)))
@@ -185,11 +189,12 @@ class TestTransformsFingerprint(unittest.TestCase):
 
         data = [np.arange(3.0)]
         with self.assertWarnsRegex(UserWarning, "socket.*neither shared .* hash_transform="):
-            CacheDataset(data, Compose([Holds(a)]), runtime_cache=[], progress=False)
+            CacheDataset(data, Compose([Holds(a)]), runtime_cache=[], progress=False, **self.keys)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a fingerprint of the user's own: no warning
-            ds = CacheDataset(data, Compose([Holds(a)]), runtime_cache=[], hash_transform=lambda t: b"mine")
-        self.assertTrue(ds._runtime_keys[0].endswith("-mine"))
+            keys = {**self.keys, "hash_transform": lambda t: b"mine"}
+            ds = CacheDataset(data, Compose([Holds(a)]), runtime_cache=[], progress=False, **keys)
+        self.assertTrue(ds.cache_key(0).endswith("mine"))
 
 
 @unittest.skipUnless(SharedCacheStore.supported, "the store needs fcntl")
@@ -204,7 +209,7 @@ class TestProcessesOfOneStore(unittest.TestCase):
         self.addCleanup(store.close)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ds = CacheDataset(list(range(4)), Compose([Holds(member), Scale()]), runtime_cache=store, progress=False)
+            ds = keyed_dataset(list(range(4)), Compose([Holds(member), Scale()]), store, progress=False)
             child = ctx.Process(target=_run_pipeline, args=(store.path, child_member, ready, go, results))
             child.start()
             try:
@@ -219,7 +224,7 @@ class TestProcessesOfOneStore(unittest.TestCase):
         self.assertEqual(child.exitcode, 0)
         self.assertEqual(values, [0, 2, 4, 6])
         self.assertEqual(child_values, [0, 2, 4, 6])
-        computed = ds.cache_stats()["process"]["computed"] + child_computed
+        computed = cache_stats(ds)["process"]["computed"] + child_computed
         return computed, _other_pipelines(caught), child_told
 
     def test_one_value_made_before_both_is_shared(self):
@@ -234,14 +239,6 @@ class TestProcessesOfOneStore(unittest.TestCase):
         for message in told + child_told:
             self.assertIn("What differs: transform 0 (Holds), member member.", message)
 
-    def test_one_container_of_two_pipelines_is_told(self):
-        container: list = []
-        ds_a = CacheDataset([1, 2], Compose([Holds("a"), Scale()]), runtime_cache=container, progress=False)
-        ds_b = CacheDataset([1, 2], Compose([Holds("b"), Scale()]), runtime_cache=container, progress=False)
-        self.assertEqual(ds_a[0], 2)
-        with self.assertWarnsRegex(UserWarning, "item of the same input computed by other cached transforms"):
-            self.assertEqual(ds_b[0], 2)
-
     @parameterized.expand(
         [
             ("unpicklable", lambda x: threading.Lock(), lambda item: isinstance(item, type(threading.Lock()))),
@@ -252,14 +249,16 @@ class TestProcessesOfOneStore(unittest.TestCase):
         """An unpicklable item, and one on the meta device (a stand-in for CUDA), are returned uncached."""
         store = SharedCacheStore()
         self.addCleanup(store.close)
-        ds = CacheDataset([1, 2], Compose([Lambda(fn)]), runtime_cache=store, progress=False)
+        ds = keyed_dataset([1, 2], Compose([Lambda(fn)]), store, progress=False)
         with self.assertWarnsRegex(RuntimeWarning, "runtime_cache=False"):
             self.assertTrue(is_item(ds[0]))
         self.assertTrue(is_item(ds[0]))
-        self.assertEqual(ds.cache_stats()["cache"]["refused"], 2)
+        self.assertEqual(cache_stats(ds)["cache"]["refused"], 2)
 
 
 class TestFileStamps(unittest.TestCase):
+    keys: dict = {"hash_func": data_key, "hash_transform": transforms_key}  # the package's keys of a container
+
     def setUp(self) -> None:
         self.tmp = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.tmp, True)
@@ -275,7 +274,7 @@ class TestFileStamps(unittest.TestCase):
     def test_keys_read_no_file_until_an_item_is_needed(self):
         """
         The constructor and set_data stat and list nothing; an item's files, and the entries of a directory that it
-        names (one level), are stat'ed once, when it is first needed.
+        names (one level), are stat'ed when it is needed (at each of its keys: ``cache_key`` makes them anew).
         """
         paths = [self.save(f"img{i}.npy", float(i)) for i in range(3)]
         os.makedirs(os.path.join(self.tmp, "train", "sub"))  # a directory that the entries name
@@ -283,13 +282,15 @@ class TestFileStamps(unittest.TestCase):
         os.chdir(self.tmp)
         load = Load(os.path.join(self.tmp, "log"))
         with mock.patch("os.stat", wraps=os.stat) as stats, mock.patch("os.scandir", wraps=os.scandir) as lists:
-            ds = CacheDataset(data, Compose([Lambda(lambda d: d["img"]), load]), runtime_cache=[], progress=False)
+            t = Compose([Lambda(lambda d: d["img"]), load])
+            ds = CacheDataset(data, t, runtime_cache=[], progress=False, **self.keys)
             ds.set_data(data)
             stat_of = lambda: [c.args[0] for c in stats.call_args_list if c.args[0] in {*paths, "train"}]  # noqa
             self.assertEqual((stat_of(), lists.call_count), ([], 0))
             self.assertEqual([float(ds[1][0]), float(ds[1][0])], [1.0, 1.0])
-            self.assertEqual(sorted(stat_of()), sorted([paths[1], "train"]))  # once: memoized
-            self.assertEqual([c.args[0] for c in lists.call_args_list], [os.path.join(self.tmp, "train")])
+            # the item's files alone, at each key that CacheDataset.cache_key makes: a miss's get and store, a hit's get
+            self.assertEqual(sorted(stat_of()), sorted([paths[1], "train"] * 3))
+            self.assertEqual([c.args[0] for c in lists.call_args_list], [os.path.join(self.tmp, "train")] * 3)
             st = os.stat(paths[0])
         stamp = ("file", paths[0], (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         self.assertEqual(stamp_files(data[0])["img"], stamp)
@@ -309,16 +310,15 @@ class TestFileStamps(unittest.TestCase):
         values = []
         for project in ("a", "b"):
             os.chdir(os.path.join(self.tmp, project))
-            ds = CacheDataset(
-                ["img.npy"], Compose([Load(os.path.join(self.tmp, "log"))]), runtime_cache=container, progress=False
-            )
+            t = Compose([Load(os.path.join(self.tmp, "log"))])
+            ds = CacheDataset(["img.npy"], t, runtime_cache=container, progress=False, **self.keys)
             values.append(float(ds[0][0]))
         self.assertEqual(values, [1.0, 2.0])
 
     def test_rewritten_in_place_is_recomputed_and_unchanged_is_not(self):
         path = self.save("img.npy", 1.0)
         load = Load(os.path.join(self.tmp, "log"))
-        ds = CacheDataset([path], Compose([load]), runtime_cache=[], progress=False)
+        ds = CacheDataset([path], Compose([load]), runtime_cache=[], progress=False, **self.keys)
         self.assertEqual((float(ds[0][0]), load.calls), (1.0, 1))
         ds.set_data([path])  # nothing changed: nothing computed
         self.assertEqual((float(ds[0][0]), load.calls), (1.0, 1))
@@ -335,8 +335,9 @@ class TestFileStamps(unittest.TestCase):
     def test_own_hash_func_is_used_as_given(self):
         path = self.save("img.npy", 1.0)
         load = Load(os.path.join(self.tmp, "log"))
-        ds = CacheDataset([path], Compose([load]), runtime_cache=[], progress=False, hash_func=lambda p: b"k")
-        self.assertTrue(ds._runtime_keys[0].startswith("k-"))
+        keys = {**self.keys, "hash_func": lambda p: b"k"}
+        ds = CacheDataset([path], Compose([load]), runtime_cache=[], progress=False, **keys)
+        self.assertEqual(ds.cache_key(0), "k" + ds.transform_hash)
         self.assertEqual((float(ds[0][0]), load.calls), (1.0, 1))
         self.save("img.npy", 5.0)
         ds.set_data([path])  # its key does not see the file: the cached item

@@ -26,12 +26,10 @@ import sys
 import tempfile
 import time
 import unittest
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fork"))
-from fork_utils import TIMEOUT, skip_unless_store  # noqa: E402
+from tests.layer.layer_utils import TIMEOUT, skip_unless_store
 
 N = 4
 
@@ -53,8 +51,9 @@ SCRIPT = """
 import json, logging, multiprocessing, os, sys, threading, warnings
 import numpy as np
 import torch
-from monai.data import CacheDataset, SharedCacheStore, create_shared_cache
+from monai.data import CacheDataset
 from monai.transforms import Compose, Transform
+from monai_sharedcache import SharedCacheStore, cache_stats, create_shared_cache
 import userfn
 
 OFFSET = {offset}
@@ -95,12 +94,12 @@ if __name__ == "__main__":
     t = Compose([Pipeline(MEMBERS[member]())])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ds = CacheDataset(data, t, runtime_cache=store, progress=False)
+        ds = CacheDataset(data, t, runtime_cache=store, hash_func=store.hash_func, hash_transform=store.hash_transform)
         if os.environ.get("RANK"):
             dist.barrier()  # as DDP's model setup: both ranks have made their datasets
         bad = sum(not torch.equal(ds[i], t.transforms[0](p)) for i, p in enumerate(data))
     told = [str(w.message) for w in caught if "with other cached transforms" in str(w.message)]
-    print(json.dumps({{"computed": ds.cache_stats()["process"]["computed"], "bad": bad, "told": told}}), flush=True)
+    print(json.dumps({{"computed": cache_stats(ds)["process"]["computed"], "bad": bad, "told": told}}), flush=True)
     if os.environ.get("RANK"):
         dist.barrier()
         store.close()

@@ -8,7 +8,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The fork's store with the Linux fast path, as users reach it: from ``monai.data``, and from create_shared_cache."""
+"""The package's store with the Linux fast path, as users reach it: ``SharedCacheStore`` and ``create_shared_cache``."""
 
 from __future__ import annotations
 
@@ -25,10 +25,13 @@ import torch
 import torch.distributed as dist
 
 import monai_sharedcache
-from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
+from monai.data import CacheDataset, DataLoader
 from monai.transforms import Compose, Lambda
+from monai_sharedcache import SharedCacheStore
 from monai_sharedcache import _pool as pool
+from monai_sharedcache import create_shared_cache
 from monai_sharedcache import store as core
+from tests.layer.layer_utils import keyed_dataset
 from tests.test_utils import DistCall, DistTestCase
 
 needs_store = unittest.skipUnless(core.SharedCacheStore.supported, "SharedCacheStore needs fcntl")
@@ -61,9 +64,8 @@ class TestLayerStore(DistTestCase):
         self.root = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.root, True)
 
-    def test_names_of_monai_data_are_the_layers(self):
-        self.assertIs(SharedCacheStore, monai_sharedcache.SharedCacheStore)
-        self.assertTrue(issubclass(SharedCacheStore, core.SharedCacheStore))
+    def test_names_of_the_package_are_the_stores(self):
+        self.assertIs(SharedCacheStore, core.SharedCacheStore)
         store = create_shared_cache(root=self.root)  # no process group: a store of this process
         self.addCleanup(store.close)
         self.assertIs(type(store), SharedCacheStore)
@@ -112,17 +114,18 @@ class TestLayerStore(DistTestCase):
         self.assertEqual(len(found), 3)
         self.assertTrue(any(found), "no mapping of an earlier read was reused")
 
-    def test_the_forks_keys_for_a_store(self):
+    def test_the_exact_keys_of_a_store(self):
         """
-        A store given as ``runtime_cache`` is keyed by the fork's keys: a file rewritten in place is recomputed at
-        ``set_data`` with the same list, and the dataset notes its pipeline in the store.
+        A store given as ``runtime_cache`` with its ``hash_func`` and ``hash_transform`` keys by files' stat data: a
+        file rewritten in place is recomputed at ``set_data`` with the same list, and the dataset notes its pipeline
+        in the store.
         """
         path = os.path.join(self.root, "img.txt")
         Path(path).write_text("one")
         load = Lambda(lambda p: Path(p).read_text())  # no state of its own: the same key for the same file
         store = SharedCacheStore(root=self.root)
         self.addCleanup(store.close)
-        ds = CacheDataset([path], Compose([load]), runtime_cache=store)
+        ds = keyed_dataset([path], Compose([load]), store)
         self.assertEqual(ds[0], "one")
         self.assertEqual(len([n for n in os.listdir(store.path) if n.endswith(".item")]), 1)
         Path(path).write_text("two!")  # another size: other stat data

@@ -23,9 +23,8 @@ from unittest import mock
 import numpy as np
 from parameterized import parameterized
 
-from monai.data import SharedCacheStore
-from monai_sharedcache import _flock, budget, persist
-from tests import test_cache_store as core
+from monai_sharedcache import SharedCacheStore, _flock, budget, persist
+from tests.layer import test_cache_store as core
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 TIMEOUT = 120
@@ -173,7 +172,7 @@ class TestMaxBytes(unittest.TestCase):
     def test_recount_misses_no_write_that_ends_meanwhile(self):
         """A write published, and its file of a write under way removed, while the store counts: counted, not missed."""
         store = self.new_store(max_bytes=2**20, reserve=0)
-        writes = store.subdir(budget.WRITES_DIR)
+        writes = store._subdir(budget.WRITES_DIR)  # the store's own directory of the writes under way
         under_way = _flock.hold(writes, f"{'0' * 16}-{ITEM}")  # another writer's reservation, alive
         real_items = persist.items
 

@@ -27,10 +27,11 @@ import numpy as np
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, SharedCacheStore, create_shared_cache
+from monai.data import DataLoader
 from monai.transforms import Compose, RandomizableTransform, Transform
-from monai_sharedcache import persist
+from monai_sharedcache import SharedCacheStore, cache_stats, create_shared_cache, fill, persist, refresh
 from monai_sharedcache import store as layer_store
+from tests.layer.layer_utils import keyed_dataset
 from tests.test_utils import DistCall, DistTestCase
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
@@ -84,11 +85,11 @@ class TestPersistentStore(DistTestCase):
         """One run: a new store object (the first user, so a new session), a dataset, an epoch; its cache stats."""
         store = SharedCacheStore(self.path, persistent=True)
         try:
-            ds = CacheDataset(list(range(N)), Compose([Load(log or self.log, scale), AddOne()]), runtime_cache=store)
+            ds = keyed_dataset(list(range(N)), Compose([Load(log or self.log, scale), AddOne()]), store)
             for batch in DataLoader(ds, batch_size=1, num_workers=num_workers):
                 i = int(batch["i"])
                 torch.testing.assert_close(batch["img"], torch.full((1, 2, 3), i * scale + 1))
-            return ds.cache_stats()["cache"]
+            return cache_stats(ds)["cache"]
         finally:
             store.close()
 
@@ -241,12 +242,12 @@ class TestPersistentStore(DistTestCase):
 
     def test_set_data_keeps_and_refresh_drops(self):
         store = self.open()
-        ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store)
-        ds.fill()
+        ds = keyed_dataset(list(range(N)), Compose([Load(self.log), AddOne()]), store)
+        fill(ds)
         ds.set_data(list(range(N, 2 * N)))  # the items of the first inputs stay, for later runs
-        ds.fill()
+        fill(ds)
         self.assertEqual(store.stats()["filled"], 2 * N)
-        ds.refresh()  # inputs rewritten in place: their items go
+        refresh(ds)  # inputs rewritten in place: their items go
         self.assertEqual(store.stats()["filled"], N)
 
     def test_budget_is_recorded(self):
@@ -449,8 +450,8 @@ class TestPersistentStore(DistTestCase):
         os.umask(0o002)  # in this rank only: every file the ranks make stays private all the same
         store = create_shared_cache(path=self.path, persistent=True)
         try:
-            ds = CacheDataset(list(range(N)), Compose([Load(log), AddOne()]), runtime_cache=store)
-            ds.fill()
+            ds = keyed_dataset(list(range(N)), Compose([Load(log), AddOne()]), store)
+            fill(ds)
             for i in range(N):
                 torch.testing.assert_close(ds[i]["img"], torch.full((2, 3), i + 1.0))
         finally:

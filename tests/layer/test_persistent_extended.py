@@ -25,20 +25,17 @@ import sys
 import tempfile
 import unittest
 from collections import Counter
-from pathlib import Path
 
-from monai.data import SharedCacheStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fork"))
-from fork_utils import (  # noqa: E402
+from monai_sharedcache import SharedCacheStore
+from tests.layer.layer_utils import (
     ENV,
     IN_PRIVATE_MOUNTS,
     TIMEOUT,
-    _unshare_works,
     backdate,
     item_files,
     run_forked,
     skip_unless_store,
+    unshare_works,
     wait_for,
 )
 
@@ -48,8 +45,9 @@ N = 12
 SCRIPT = """
 import json, os, sys, time
 import torch
-from monai.data import CacheDataset, DataLoader, SharedCacheStore
+from monai.data import CacheDataset, DataLoader
 from monai.transforms import Compose, RandomizableTransform, Transform
+from monai_sharedcache import SharedCacheStore, cache_stats, fill
 
 
 class Load(Transform):
@@ -75,20 +73,21 @@ if __name__ == "__main__":
     path, scale, size, mode = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     store = SharedCacheStore(path, persistent=True)
     t = Compose([Load(scale, size), AddOne()])
-    ds = CacheDataset(list(range(int(os.environ["N"]))), t, runtime_cache=store, num_workers=1, progress=False)
+    keys = {"hash_func": store.hash_func, "hash_transform": store.hash_transform}
+    ds = CacheDataset(list(range(int(os.environ["N"]))), t, runtime_cache=store, **keys, num_workers=1, progress=False)
     if mode == "fill":
-        ds.fill()
+        fill(ds)
     bad = 0
     for b in DataLoader(ds, batch_size=1, num_workers=2):
         bad += not torch.equal(b["img"], torch.full((1, size), int(b["i"]) * scale + 1))
-    print(json.dumps({**ds.cache_stats()["cache"], "bad": bad}), flush=True)
+    print(json.dumps({**cache_stats(ds)["cache"], "bad": bad}), flush=True)
 """
 
 
 # on a file system mounted noatime, the kernel never sets access times: the store's reads must (least recently used)
 _NOATIME_LRU = """
 import os, sys, time
-from monai.data import SharedCacheStore
+from monai_sharedcache import SharedCacheStore
 path = os.path.join(sys.argv[1], "cache")
 store = SharedCacheStore(path, persistent=True)
 for k in ("old", "used"):
@@ -109,7 +108,7 @@ print(sorted(k for k in ("old", "used", "new") if store.get(k) is not None))
 # back-to-back runs on a file system that keeps whole seconds (ext4 with 128-byte inodes): the second run reuses all
 _COARSE_REUSE = """
 import os, sys
-from monai.data import SharedCacheStore
+from monai_sharedcache import SharedCacheStore
 for run in range(5):
     path = os.path.join(sys.argv[1], f"cache{run}")
     store = SharedCacheStore(path, persistent=True)
@@ -202,7 +201,7 @@ class TestPersistentRuns(unittest.TestCase):
         self.assertEqual((again["bad"], again["filled"]), (0, N))
         self.assertEqual(os.listdir(tmp), [])
 
-    @unittest.skipUnless(_unshare_works(), "cannot start a process in a new PID namespace here (unshare --pid)")
+    @unittest.skipUnless(unshare_works(), "cannot start a process in a new PID namespace here (unshare --pid)")
     def test_two_runs_at_once_in_separate_pid_namespaces(self):
         ns = ("unshare", "--pid", "--fork", "--kill-child")
         procs = [self.start(mode="fill", delay=0.1, prefix=ns) for _ in range(2)]

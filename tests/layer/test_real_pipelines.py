@@ -25,19 +25,18 @@ import sys
 import tempfile
 import unittest
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from monai.data import CacheDataset, SharedCacheStore, create_shared_cache
+from monai.data import CacheDataset
 from monai.transforms import Compose, EnsureChannelFirstd, Invertd, LoadImaged, Spacingd
 from monai.utils import optional_import
+from monai_sharedcache import SharedCacheStore, cache_stats, create_shared_cache
+from monai_sharedcache.keys import transforms_key
+from tests.layer.layer_utils import TIMEOUT, keyed_dataset, skip_unless_store
 from tests.test_utils import DistCall, DistTestCase, SkipIfNoModule
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fork"))
-from fork_utils import TIMEOUT, skip_unless_store  # noqa: E402
 
 nib, has_nib = optional_import("nibabel")
 SHAPE, PIXDIM = (40, 36, 20), (1.5, 1.5, 2.0)  # resampled to 1 mm: 60 x 54 x 39
@@ -61,9 +60,10 @@ def inverted(item: dict, transform: Compose) -> torch.Tensor:
 SCRIPT = """
 import json, sys, warnings
 import numpy as np, torch
-from monai.data import CacheDataset, SharedCacheStore
+from monai.data import CacheDataset
 from monai.transforms import Compose, EnsureChannelFirstd, Invertd, LoadImaged, NormalizeIntensityd
 from monai.transforms import ScaleIntensityRanged, Spacingd
+from monai_sharedcache import SharedCacheStore, cache_stats
 
 warnings.simplefilter("ignore")
 store = SharedCacheStore(sys.argv[1], persistent=True)
@@ -76,12 +76,12 @@ else:  # transforms that hold a tensor and an array of the value given
     value = float(kind)
     scale = ScaleIntensityRanged("image", a_min=0.0, a_max=1.0, b_min=0.0, b_max=value)
     t = Compose([LoadImaged("image"), scale, NormalizeIntensityd("image", subtrahend=torch.tensor([value]), divisor=np.ones(1))])
-ds = CacheDataset(entries, t, runtime_cache=store, progress=False)
+ds = CacheDataset(entries, t, runtime_cache=store, hash_func=store.hash_func, hash_transform=store.hash_transform)
 facts = {"means": [float(ds[i]["image"].float().mean()) for i in range(len(ds))]}
 if kind == "nifti":
     inv = [Invertd("image", transform=t, orig_keys="image")(dict(ds[i]))["image"] for i in range(len(ds))]
     facts.update(shapes=[list(x.shape) for x in inv], sums=[round(float(x.double().sum()), 3) for x in inv])
-facts["computed"] = ds.cache_stats()["process"]["computed"]
+facts["computed"] = cache_stats(ds)["process"]["computed"]
 print(json.dumps(facts), flush=True)
 store.close()
 """
@@ -131,13 +131,13 @@ class TestInvertSharedItems(DistTestCase):
         multiprocessing.set_start_method(None, force=True)
         rank, t = dist.get_rank(), pipeline()
         store = create_shared_cache(root=self.root, timeout=TIMEOUT)
-        ds = CacheDataset(self.data, t, runtime_cache=store, progress=False)
+        ds = keyed_dataset(self.data, t, store, progress=False)
         if rank == 0:
             [ds[i] for i in range(len(ds))]
         dist.barrier()
         mine = [inverted(ds[i], t) for i in range(len(ds))]
         direct = [inverted(t(dict(d)), t) for d in self.data]  # computed here, without the cache
-        computed = ds.cache_stats()["process"]["computed"]
+        computed = cache_stats(ds)["process"]["computed"]
         everyone: list = [None, None]
         dist.all_gather_object(everyone, ([x.numpy() for x in mine], computed))
         dist.barrier()
@@ -154,7 +154,7 @@ class TestInvertSharedItems(DistTestCase):
         store = SharedCacheStore(root=self.root)
         self.addCleanup(store.close)
         t = pipeline()
-        ds = CacheDataset(self.data[:1], t, runtime_cache=store, progress=False)
+        ds = keyed_dataset(self.data[:1], t, store, progress=False)
         ds[0]
         self.assertEqual(tuple(inverted(ds[0], t).shape), (1, *SHAPE))
         with self.assertRaises(RuntimeError) as raised:
@@ -162,24 +162,6 @@ class TestInvertSharedItems(DistTestCase):
         self.assertIn("most recently applied invertible transform", str(raised.exception.__cause__))
         ref = [op["id"] for op in ds[0]["image"].applied_operations]
         self.assertEqual(ref, [op["id"] for op in t(dict(self.data[0]))["image"].applied_operations])
-
-
-@SkipIfNoModule("nibabel")
-class TestInvertListProxyItems(unittest.TestCase):
-    def test_a_dataset_that_did_not_compute_the_item_inverts_it(self) -> None:
-        """Two datasets on one ``ListProxy``, each with its own transforms, as two ranks have them."""
-        tmp = tempfile.mkdtemp()
-        self.addCleanup(shutil.rmtree, tmp, True)
-        data = [{"image": os.path.join(tmp, "img.nii.gz")}]
-        write_nifti(data[0]["image"], 0)
-        manager = multiprocessing.get_context("spawn").Manager()
-        self.addCleanup(manager.shutdown)
-        container = manager.list()
-        mine, theirs = pipeline(), pipeline()
-        CacheDataset(data, mine, runtime_cache=container, progress=False)[0]  # computed with `mine`
-        ds = CacheDataset(data, theirs, runtime_cache=container, progress=False)
-        self.assertEqual(tuple(inverted(ds[0], theirs).shape), (1, *SHAPE))
-        torch.testing.assert_close(inverted(ds[0], theirs), inverted(theirs(dict(data[0])), theirs))
 
 
 @skip_unless_store
@@ -329,7 +311,7 @@ class TestKeysOfWhatCodeUses(unittest.TestCase):
         self.addCleanup(transform.connection.close)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            CacheDataset([1], Compose([transform]), runtime_cache=[], progress=False)
+            CacheDataset([1], Compose([transform]), runtime_cache=[], hash_transform=transforms_key, progress=False)
         told = [str(w.message) for w in caught if "same key in every process" in str(w.message)]
         self.assertEqual(len(told), 1, [str(w.message) for w in caught])
         self.assertIn("HoldsSocket.connection", told[0])

@@ -24,10 +24,13 @@ from unittest import mock
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, SharedCacheStore
+from monai.data import DataLoader
 from monai.transforms import Compose, Transform
+from monai_sharedcache import SharedCacheStore, cache_stats
 from monai_sharedcache import counters as cache_counters
-from tests import test_cachedataset_fill as core
+from monai_sharedcache import fill
+from tests.layer import test_cachedataset_fill as core
+from tests.layer.layer_utils import keyed_dataset
 from tests.layer.test_cachedataset_fill import FORK, TIMEOUT, AddOne, Load, N, computations, needs_fork, needs_store
 from tests.test_utils import DistTestCase, skip_if_quick
 
@@ -102,39 +105,47 @@ def _count_and_die(store: SharedCacheStore, hits: int) -> None:
 
 
 class TestStats(DistTestCase):
-    """``CacheDataset.cache_stats`` and the layer store's counts, on the datasets of the core's ``fill`` tests."""
+    """``cache_stats`` and the store's counts, on the datasets of the ``fill`` tests."""
 
     setUp = core.TestFill.setUp
     runtime_cache = core.TestFill.runtime_cache
     dataset = core.TestFill.dataset
     check_items = core.TestFill.check_items
 
-    @parameterized.expand([("eager",), ("thread",), ("process",), ("list",), ("listproxy",), ("store",)])
+    @parameterized.expand([("dict",), ("managerdict",), ("store",)])
     def test_counts_after_fill(self, mode: str) -> None:
+        """A store counts its events; a ``dict`` its items and bytes; a ``Manager().dict()`` what it can tell."""
         ds = self.dataset(mode, num_workers=4)
-        self.assertEqual(sum(computations(self.log).values()), N if mode == "eager" else 0)
-        ds.fill()
+        self.assertEqual(sum(computations(self.log).values()), 0)
+        fill(ds)
         self.check_items(ds)
         self.check_items(ds)
-        stats = ds.cache_stats()
-        self.assertEqual(stats["process"], {"hits": 2 * N, "misses": 0, "computed": N, "refused": 0})
-        self.assertEqual(counts(stats["cache"]), stats["process"])  # this process alone used the cache
-        store = mode == "store" or (mode == "process" and SharedCacheStore.supported)
-        proxy = mode == "listproxy" or (mode == "process" and not store)  # not counted: it would copy every item out
+        stats = cache_stats(ds)
+        proxy = mode == "managerdict"  # not counted: it would copy every item out
         self.assertEqual(stats["dataset"], {"capacity": N, "filled": None if proxy else N})
-        if proxy:
-            self.assertEqual((stats["cache"]["filled"], stats["cache"]["nbytes"]), (None, None))
-        elif store:  # the item files, with their headers
+        if mode == "store":  # the item files, with their headers
+            self.assertEqual(stats["process"], {"hits": 2 * N, "misses": 0, "computed": N, "refused": 0})
+            self.assertEqual(counts(stats["cache"]), stats["process"])  # this process alone used the cache
             self.assertEqual(stats["cache"]["filled"], N)
             self.assertGreater(stats["cache"]["nbytes"], N * ITEM_BYTES)
-        else:
-            self.assertEqual((stats["cache"]["filled"], stats["cache"]["nbytes"]), (N, N * ITEM_BYTES))
+            return
+        unknown = dict.fromkeys(NO_EVENTS)  # a dict does not count its reads
+        self.assertEqual((stats["process"], counts(stats["cache"])), (unknown, unknown))
+        items = (None, None) if proxy else (N, N * ITEM_BYTES)
+        self.assertEqual((stats["cache"]["filled"], stats["cache"]["nbytes"]), items)
 
     def test_lazy_misses_then_hits(self) -> None:
-        ds = self.dataset("thread")
+        ds = self.dataset("store")
         self.check_items(ds)
         self.check_items(ds)
-        self.assertEqual(ds.cache_stats()["process"], {"hits": N, "misses": N, "computed": N, "refused": 0})
+        self.assertEqual(cache_stats(ds)["process"], {"hits": N, "misses": N, "computed": N, "refused": 0})
+
+    def test_without_a_keyed_runtime_cache(self) -> None:
+        """``cache_stats`` counts a keyed runtime cache: without one, a ``TypeError`` that says so."""
+        with self.assertRaisesRegex(TypeError, "keyed runtime cache; this dataset has none"):
+            cache_stats(self.dataset("eager", cache_rate=0.5))
+        with self.assertRaisesRegex(TypeError, "keyed runtime cache .*got runtime_cache=True"):
+            cache_stats(self.dataset("thread"))
 
     def check_worker_counts(self, context: str) -> None:
         """Workers count in the store: misses and computations in epoch 1, hits in epoch 2, after they exited."""
@@ -142,7 +153,7 @@ class TestStats(DistTestCase):
         for _ in range(2):
             loader = DataLoader(ds, batch_size=1, num_workers=2, timeout=TIMEOUT, multiprocessing_context=context)
             self.assertEqual(sorted(int(b["i"][0]) for b in loader), list(range(N)))
-        stats = ds.cache_stats()
+        stats = cache_stats(ds)
         self.assertEqual(stats["process"], NO_EVENTS)  # the workers did it all
         self.assertEqual({**counts(stats["cache"]), "filled": stats["cache"]["filled"]},
                          {"hits": N, "misses": N, "computed": N, "refused": 0, "filled": N})  # fmt: skip
@@ -158,32 +169,31 @@ class TestStats(DistTestCase):
     def test_store_counts_spawned_workers(self) -> None:
         self.check_worker_counts("spawn")
 
-    @parameterized.expand([("thread",), ("store",)])
-    def test_hash_as_key_counts(self, mode: str) -> None:
+    def test_hash_as_key_counts(self) -> None:
         data = [3, 1, 3, 0, 1, 2]
-        ds = self.dataset(mode, data, hash_as_key=True)
-        ds.fill()
+        ds = self.dataset("store", data, hash_as_key=True)
+        fill(ds)
         self.check_items(ds, data)
-        self.assertEqual(ds.cache_stats()["process"], {"hits": 6, "misses": 0, "computed": 4, "refused": 0})
+        self.assertEqual(cache_stats(ds)["process"], {"hits": 6, "misses": 0, "computed": 4, "refused": 0})
 
     def test_two_datasets_in_one_store(self) -> None:
         """A train and a validation dataset in one store: each counts its own slots, and the store holds both."""
         store = self.runtime_cache("store")
-        train = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
-        train.fill()
-        val = CacheDataset([100, 101, 102], Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        train = keyed_dataset(list(range(N)), Compose([Load(self.log), AddOne()]), store, progress=False)
+        fill(train)
+        val = keyed_dataset([100, 101, 102], Compose([Load(self.log), AddOne()]), store, progress=False)
         val[0]
-        self.assertEqual(train.cache_stats()["dataset"], {"capacity": N, "filled": N})
-        self.assertEqual(val.cache_stats()["dataset"], {"capacity": 3, "filled": 1})
-        self.assertEqual(val.cache_stats()["cache"]["filled"], N + 1)
+        self.assertEqual(cache_stats(train)["dataset"], {"capacity": N, "filled": N})
+        self.assertEqual(cache_stats(val)["dataset"], {"capacity": 3, "filled": 1})
+        self.assertEqual(cache_stats(val)["cache"]["filled"], N + 1)
 
     @needs_store
     def test_each_dataset_counts_its_own_events(self) -> None:
         """A train and a validation dataset in one store: ``process`` has each one's events, ``cache`` the store's."""
         store = self.runtime_cache("store", max_bytes=64 << 10)  # room for the items of train, not for those of val
-        train = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
-        val = CacheDataset([100, 101], Big(), runtime_cache=store, progress=False)
-        train.fill()
+        train = keyed_dataset(list(range(N)), Compose([Load(self.log), AddOne()]), store, progress=False)
+        val = keyed_dataset([100, 101], Big(), store, progress=False)
+        fill(train)
         self.check_items(train)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the store's warning of items past its cap
@@ -191,28 +201,31 @@ class TestStats(DistTestCase):
                 val[i]
         mine = {"hits": N, "misses": 0, "computed": N, "refused": 0}
         theirs = {"hits": 0, "misses": 3, "computed": 3, "refused": 3}
-        self.assertEqual(train.cache_stats()["process"], mine)
-        self.assertEqual(val.cache_stats()["process"], theirs)
+        self.assertEqual(cache_stats(train)["process"], mine)
+        self.assertEqual(cache_stats(val)["process"], theirs)
         whole = {k: mine[k] + theirs[k] for k in NO_EVENTS}
         for ds in (train, val):
-            self.assertEqual(counts(ds.cache_stats()["cache"]), whole)
+            self.assertEqual(counts(cache_stats(ds)["cache"]), whole)
         self.assertEqual(counts(store.process_stats()), whole)  # the store's events of this process: both datasets'
         self.assertEqual(store.stats()["filled"], N)
 
     @needs_store
     def test_each_dataset_counts_its_own_reuse(self) -> None:
-        """In the second run of a persistent store, each dataset counts the items of the first run that it reused."""
+        """
+        In the second run of a persistent store, each dataset counts the items of the first run that it reused. The
+        counts of ``process`` are those of the dataset's cached transforms (their ``hash_transform`` digest): the
+        validation dataset loads with a delay of its own, so that its cached transforms are not the training one's.
+        """
         path, log = os.path.join(self.tmp, "kept"), os.path.join(self.tmp, "log")
         for _ in range(2):
             store = SharedCacheStore(path, persistent=True)
             try:
-                transform = Compose([Load(log), AddOne()])
-                train = CacheDataset(list(range(N)), transform, runtime_cache=store, progress=False)
-                val = CacheDataset([100, 101, 102], transform, runtime_cache=store, progress=False)
-                train.fill()
+                train = keyed_dataset(list(range(N)), Compose([Load(log), AddOne()]), store, progress=False)
+                val = keyed_dataset([100, 101, 102], Compose([Load(log, 0.001), AddOne()]), store, progress=False)
+                fill(train)
                 for _ in range(2):
                     val[0]
-                stats = train.cache_stats(), val.cache_stats()
+                stats = cache_stats(train), cache_stats(val)
             finally:
                 store.close()
         self.assertEqual(stats[0]["process"], {**NO_EVENTS, "reused": N})
@@ -268,20 +281,13 @@ class TestStats(DistTestCase):
             store = self.runtime_cache("store")
             for i in range(n):
                 self.assertTrue(store.put(f"other-{i:03d}", torch.zeros(16)))
-            ds = CacheDataset([0, 1, 2], Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+            ds = keyed_dataset([0, 1, 2], Compose([Load(self.log), AddOne()]), store, progress=False)
             ds[0]
             with file_system_calls() as calls:
-                stats = ds.cache_stats()
+                stats = cache_stats(ds)
             self.assertEqual((stats["dataset"]["filled"], stats["cache"]["filled"]), (1, n + 1))
             seen.append(dict(calls))
         self.assertEqual(seen[0], seen[1])
-
-    def test_counts_without_a_runtime_cache(self) -> None:
-        ds = self.dataset("eager", cache_rate=0.5)
-        ds.fill()
-        stats = ds.cache_stats()
-        self.assertEqual((stats["cache"]["filled"], stats["dataset"]), (N // 2, {"capacity": N // 2, "filled": N // 2}))
-        self.assertEqual(stats["process"], {**NO_EVENTS, "computed": N // 2})
 
     @parameterized.expand([("budget",), ("fault",)])
     @needs_store
@@ -291,15 +297,15 @@ class TestStats(DistTestCase):
         if why == "fault":  # every write of an item fails: its temporary directory is a file
             shutil.rmtree(os.path.join(store.path, ".tmp"))
             open(os.path.join(store.path, ".tmp"), "w").close()
-        ds = CacheDataset(list(range(N)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        ds = keyed_dataset(list(range(N)), Compose([Load(self.log), AddOne()]), store, progress=False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ds.fill()
+            fill(ds)
             self.check_items(ds)  # computed again: nothing was stored
         self.assertEqual(len(caught), 1, [str(w.message) for w in caught])
         self.assertIn("max_bytes" if why == "budget" else "cannot write", str(caught[0].message))
         self.assertEqual(computations(self.log), Counter(dict.fromkeys(range(N), 2)))
-        stats = ds.cache_stats()
+        stats = cache_stats(ds)
         self.assertEqual(stats["process"], {"hits": 0, "misses": N, "computed": 2 * N, "refused": 2 * N})
         self.assertEqual(store.stats(), {"filled": 0, "nbytes": 0, **stats["process"]})
 

@@ -23,9 +23,8 @@ from unittest import mock
 import torch
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader
+from monai.data import CacheDataset, DataLoader, SharedCacheStore
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
-from monai_sharedcache import SharedCacheStore
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 TIMEOUT = 120
