@@ -491,7 +491,50 @@ class SharedCacheStore:
             item = self._get(key)
             if tag is not None:
                 counters.count(self._counters, counters.MISSES if item is _MISS else counters.HITS)
+            if item is _MISS and tag is not None:  # a dataset's miss: it computes the item and stores it next
+                item = self._lease(key)
         return default if item is _MISS else _local(tag, item, default)
+
+    def _lease(self, key: str) -> Any:
+        """
+        A miss of a ``CacheDataset`` (a key of :py:meth:`hash_transform`): its claim, held until this thread stores
+        the item (or asks for another), so that processes that miss it at once compute it once. Another holder's item,
+        waited for, else ``_MISS``: compute it. A holder that dies releases its claim with its locks.
+        """
+        self._release_lease()
+        name = self._stem(key) + ".claim"
+        if self._gone or not self._writable or name in self._claims.__dict__.setdefault("held", set()):
+            return _MISS
+        deadline, delay = time.monotonic() + self._claim_timeout, 0.001
+        while True:
+            try:
+                held = locks.try_hold(name, os.O_CREAT, at=self._dir)
+            except OSError as err:
+                self._fault("cannot create claim files", err)
+                return _MISS
+            item = self._get(key)  # published between the miss and the claim, or by the holder
+            if held is not None:
+                if item is _MISS:
+                    self._claims.lease = (key, name, held)
+                    return _MISS
+                locks.unlink_quiet(name, self._dir)
+                held.close()
+            if item is not _MISS:
+                return item
+            if time.monotonic() > deadline:
+                why = f"claim_timeout={self._claim_timeout} s"
+                self._warn_once("waited too long for an item that another process computes", why, "It computed it too.")
+                return _MISS
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.05)
+
+    def _release_lease(self, key: str | None = None) -> None:
+        """Release this thread's lease (of ``key`` only, if given): its item is stored, or will not be."""
+        lease = getattr(self._claims, "lease", None)
+        if lease is not None and (key is None or lease[0] == key):
+            self._claims.lease = None
+            locks.unlink_quiet(lease[1], self._dir)  # while held: a waiter that opened it sees it removed
+            lease[2].close()
 
     def __getitem__(self, key: str) -> Any:
         """
@@ -521,10 +564,13 @@ class SharedCacheStore:
                 "hash_transform=store.hash_transform).",
             )
         tag = self._tag(key)
-        with _on_behalf(tag):
-            if tag is not None:
-                counters.count(self._counters, counters.COMPUTED)
-            self._put_keyed(tag, key, item)
+        try:
+            with _on_behalf(tag):
+                if tag is not None:
+                    counters.count(self._counters, counters.COMPUTED)
+                self._put_keyed(tag, key, item)
+        finally:
+            self._release_lease(key)
 
     def _put_keyed(self, tag: _Tag | None, key: str, item: Any) -> None:
         """:py:meth:`put`, with the ids of the transforms of ``tag`` stored as their places, and left as ids here."""
