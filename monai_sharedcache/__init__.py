@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SharedCacheStore", "create_shared_cache", "fill", "refresh", "cache_stats", "transforms_hashing"]
+__all__ = ["SharedCacheStore", "create_shared_cache", "fill", "refresh", "cache_stats", "nbytes", "transforms_hashing"]
 
 _WHERE = {
     "SharedCacheStore": "store",
@@ -53,6 +53,7 @@ _WHERE = {
     "fill": "dataset",
     "refresh": "dataset",
     "cache_stats": "dataset",
+    "nbytes": "dataset",
     "transforms_hashing": "keys",
 }
 

@@ -28,7 +28,7 @@ import torch
 
 from monai_sharedcache.store import NEEDS_KEYED, SharedCacheStore
 
-__all__ = ["fill", "refresh", "cache_stats"]
+__all__ = ["fill", "refresh", "cache_stats", "nbytes"]
 
 
 def _keyed_cache(dataset: Any, cache: Any = None) -> Any:
@@ -188,16 +188,16 @@ def refresh(dataset: Any, *, cache: Any = None) -> None:
             return
 
 
-def _nbytes(item: Any) -> int:
+def nbytes(item: Any) -> int:
     """The bytes of the arrays and tensors in ``item`` (nested dicts, lists and tuples)."""
     if isinstance(item, torch.Tensor):
         return item.element_size() * item.nelement()
     if isinstance(item, np.ndarray):
         return int(item.nbytes)
     if isinstance(item, Mapping):
-        return sum(_nbytes(v) for v in item.values())
+        return sum(nbytes(v) for v in item.values())
     if isinstance(item, (list, tuple)):
-        return sum(_nbytes(v) for v in item)
+        return sum(nbytes(v) for v in item)
     return 0
 
 
@@ -238,7 +238,7 @@ def cache_stats(dataset: Any, *, cache: Any = None) -> dict[str, dict[str, Any]]
     none: dict[str, Any] = {"hits": None, "misses": None, "computed": None, "refused": None}
     if isinstance(cache, dict):
         filled = sum(key in cache for key in keys)
-        items = {"filled": len(cache), "nbytes": sum(_nbytes(v) for v in cache.values())}
+        items = {"filled": len(cache), "nbytes": sum(nbytes(v) for v in cache.values())}
     else:
         filled, items = None, {"filled": None, "nbytes": None}
     return {"process": none, "dataset": {"capacity": len(keys), "filled": filled}, "cache": {**items, **none}}
