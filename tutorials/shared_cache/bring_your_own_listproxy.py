@@ -15,8 +15,8 @@ Recipe: your own ``multiprocessing`` ``ListProxy``, made in the parent and share
 
 This is the pattern upstream MONAI asks for since 1.1. With the upstream series it is checked: the list may have any
 length (a shorter one is grown in place to ``cache_num``), may hold anything (only items stored for the very same input
-and transforms are served), and every filled slot is a ``(key, item)`` tuple. For new code prefer ``create_shared_cache()`` (no server
-process, no authkey, no per-tensor file descriptors, each item computed once).
+and transforms are served), and every filled slot is a ``(key, item)`` tuple. For new code prefer
+``create_shared_cache()`` (no server process, no authkey, no per-tensor file descriptors, each item computed once).
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ def train(log: str) -> None:
         assert sorted(ids) == sorted(d["id"] for d in data)  # every listed item, duplicates included
         computed = executions(log) - done
         print(f"epoch {epoch}: 16 items, 8 distinct: computed {computed} times")
-        # the first epoch computes each distinct input (twice at most, if both workers miss it at the same moment:
-        # ds.fill() before the loop computes each exactly once); the next reads them all
+        # the first epoch computes each distinct input (a cache without claims, such as a Manager list, may compute
+        # an input twice when both workers miss it at the same moment); the next epoch reads them all
         assert 8 <= computed <= 16 if epoch == 0 else computed == 0
 
 
