@@ -114,7 +114,7 @@ for p in b.all_patches():
 print(" ".join(sorted(files)))
 PYFILES
 )
-    overlay=$(find monai monai_sharedcache -name "*.py" 2>/dev/null | sort)
+    overlay=$(find $(ls -d monai monai_sharedcache 2>/dev/null) -name "*.py" | sort)  # no monai/ overlay now
     # our Python files: what git tracks or would track (generated output is git-ignored)
     if git rev-parse --git-dir >/dev/null 2>&1; then
         ours=$(git ls-files --cached --others --exclude-standard -- '*.py' |

@@ -9,7 +9,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-Run every recipe of the tutorials companion (``tutorials/shared_cache/*.py``) against the patched tree; fail if one fails.
+Run every recipe of ``tutorials/shared_cache/`` against the patched tree (the fork's wheel); fail if one fails.
 
     python tutorials/run_recipes.py                 # all of them, (cores + 1) at a time
     python tutorials/run_recipes.py -j 1 --only hash_as_key --only faults
@@ -194,10 +194,10 @@ def ensure_tree(layout: bool) -> bool:
         build = [sys.executable, str(ROOT / "build_backend" / "monai_sharedcache_build.py"), "layout", "--if-stale"]
         if subprocess.run(build, cwd=str(ROOT)).returncode != 0:
             return False
-    # a tree of the fork: the overlay's modules and the fork's layer (an upstream MONAI has none of them)
-    data = TREE / "monai" / "data"
-    fork = (data / "cache_store.py").is_file() and (data / "shared_cache.py").is_file()
-    return fork and (TREE / "monai_sharedcache" / "keys.py").is_file()
+    # a tree of the fork's wheel: the package, and the fork's patch that gives its names to monai.data (the recipes
+    # import them from there); an upstream MONAI, with or without the series, has neither
+    package = (TREE / "monai_sharedcache" / "store.py").is_file()
+    return package and "SharedCacheStore" in (TREE / "monai" / "data" / "__init__.py").read_text()
 
 
 def main(argv: list[str] | None = None) -> int:

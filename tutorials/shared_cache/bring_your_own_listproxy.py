@@ -13,10 +13,10 @@ Recipe: your own ``multiprocessing`` ``ListProxy``, made in the parent and share
 
     python bring_your_own_listproxy.py
 
-This is the pattern upstream MONAI asks for since 1.1. Here it is checked: the list may have any length (it is
-resized in place to ``cache_num``), may hold anything (only items stored for the very same input and transforms are
-served), and every filled slot is a ``(key, item)`` tuple. For new code prefer ``create_shared_cache()`` (no server
-process, no authkey, no per-tensor file descriptors, each item computed once).
+This is the pattern upstream MONAI asks for since 1.1. With the upstream series it is checked: the list may have any
+length (a shorter one is grown in place to ``cache_num``), may hold anything (only items stored for the very same input
+and transforms are served), and every filled slot is a ``(key, item)`` tuple. For new code prefer
+``create_shared_cache()`` (no server process, no authkey, no per-tensor file descriptors, each item computed once).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def rank_main(rank: int, world_size: int, tmp: str, cache) -> None:
         os.environ["RECIPE_EXECUTION_LOG"] = os.path.join(tmp, f"rank{rank}.log")  # DataLoader workers inherit it
         data = [{"id": i} for i in range(16)]
         transform = Compose([Load(), RandFlipd(keys="image", prob=0.5, spatial_axis=0)])
-        ds = CacheDataset(data, transform, runtime_cache=cache)  # resizes the shared list in place: len 16
+        ds = CacheDataset(data, transform, runtime_cache=cache)  # grows the shared list in place: len 16
         sampler = DistributedSampler(ds, shuffle=True, seed=0)
         loader = DataLoader(
             ds,
@@ -83,18 +83,19 @@ def rank_main(rank: int, world_size: int, tmp: str, cache) -> None:
 
 def main() -> None:
     with Manager() as manager, tempfile.TemporaryDirectory() as tmp:
-        # any length, any content: ["stale", None] is resized to 16 slots, and "stale" is never served
+        # any length, any content: ["stale", None] is grown to 16 slots, and "stale" is never served
         cache = manager.list(["stale", None])
         torch.multiprocessing.spawn(rank_main, args=(WORLD_SIZE, tmp, cache), nprocs=WORLD_SIZE)
 
         # the parent sees what the ranks cached: one (key, item) tuple per slot, the key being
-        # "<hash_func of the input>-<hash_transform of the cached transforms>"
+        # CacheDataset.cache_key: hash_func of the input, then hash_transform of the cached transforms
         entries = list(cache)
         assert len(entries) == 16 and all(isinstance(e, tuple) and len(e) == 2 for e in entries)
         assert [item["id"] for _, item in entries] == list(range(16))
-        inputs = [key.rsplit("-", 1)[0] for key, _ in entries]
-        assert inputs == [pickle_hashing({"id": i}).decode() for i in range(16)]  # the default hash_func
-        assert len({key.rsplit("-", 1)[1] for key, _ in entries}) == 1, "both ranks' transforms have the same hash"
+        inputs = [pickle_hashing({"id": i}).decode() for i in range(16)]  # an input that names no file: by pickle
+        assert all(key.startswith(h) for (key, _), h in zip(entries, inputs))
+        transforms = {key[len(h) :] for (key, _), h in zip(entries, inputs)}
+        assert len(transforms) == 1 and transforms != {""}, "both ranks' transforms have the same hash"
         key, item = entries[0]
         print(f"slot 0: key={key!r} item id={item['id']}")
         computed = sum(executions(os.path.join(tmp, f"rank{r}.log")) for r in range(WORLD_SIZE))

@@ -60,16 +60,18 @@ def train(log: str) -> None:
     data = [{"id": i // 2} for i in range(16)]  # ids 0, 0, 1, 1, ..., 7, 7
     ds = CacheDataset(data, transform, hash_as_key=True, runtime_cache="process")
     assert ds.cache_num == 8
-    done = executions(log)
     loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2)
-    for _ in range(2):
-        ids = []
+    for epoch in range(2):
+        done, ids = executions(log), []
         for batch in loader:
             assert torch.equal(batch["image"].amax(dim=(1, 2, 3)), batch["id"].float())
             ids += batch["id"].tolist()
         assert sorted(ids) == sorted(d["id"] for d in data)  # every listed item, duplicates included
-    print(f"16 items, 8 distinct: computed {executions(log) - done} times")
-    assert executions(log) - done == 8
+        computed = executions(log) - done
+        print(f"epoch {epoch}: 16 items, 8 distinct: computed {computed} times")
+        # the first epoch computes each distinct input (a cache without claims, such as a Manager list, may compute
+        # an input twice when both workers miss it at the same moment); the next epoch reads them all
+        assert 8 <= computed <= 16 if epoch == 0 else computed == 0
 
 
 def main() -> None:

@@ -13,9 +13,10 @@ Recipe: ``set_data()`` between epochs, with a runtime cache shared by DataLoader
 
     python set_data_between_epochs.py
 
-``set_data`` keeps the same cache and resyncs it: it is resized to the new ``cache_num`` and what belongs only to the
-old data is dropped. Items of inputs present in both the old and the new data stay cached in the shared store (it
-is addressed by content key); no item of the old data is ever served for the new data.
+``set_data`` keeps the same cache. A store keeps its items by key (the input and the cached transforms), so the items
+of inputs present in both the old and the new data are read again wherever the inputs moved. A list-like container is
+grown in place to the new ``cache_num``, and a slot is served only for its key. No item of the old data is ever served
+for the new data.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def train(log: str) -> None:
         assert one_epoch(ds) == list(range(16))
         print(f"old data: computed {len(computed_ids(log))}")
 
-        ds.set_data(new)  # the same store: 20 slots now, and the items of ids 0..7 are removed
+        ds.set_data(new)  # the same store, 20 inputs now; the items of ids 0..7 stay in it, never served for others
         assert ds.cache_num == 20
 
         done = len(computed_ids(log))
@@ -85,7 +86,7 @@ def train(log: str) -> None:
 
 
 def with_a_list(log: str) -> None:
-    """The same with a list-like container (a list here, a ListProxy alike): its slots are positions."""
+    """The same with a list-like container (a list here, a ListProxy alike): its slots are positions, with keys."""
     transform = Compose([Load(log), RandFlipd(keys="image", prob=0.5, spatial_axis=0)])
     cache: list = []
     ds = CacheDataset([{"id": i} for i in range(16)], transform, runtime_cache=cache)
@@ -95,11 +96,11 @@ def with_a_list(log: str) -> None:
     assert len(cache) == 16 and all(item["id"] == i for i, (key, item) in enumerate(cache))
 
     ds.set_data([{"id": i} for i in range(8, 28)])
-    assert len(cache) == 20  # the same list object, resized in place
-    # slot i now caches the new input i (id i + 8): every input moved, so every slot was emptied
-    assert all(entry is None for entry in cache)
+    assert len(cache) == 20  # the same list object, grown in place
+    # slot i now caches the new input i (id i + 8): every input moved, so no old slot's key matches
     assert all(ds[i]["id"] == i + 8 for i in range(len(ds)))
-    print("list container: resized to 20 slots, moved inputs recomputed")
+    assert all(item["id"] == i + 8 for i, (key, item) in enumerate(cache))
+    print("list container: grown to 20 slots, moved inputs recomputed")
 
 
 def main() -> None:
