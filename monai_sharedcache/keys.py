@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections.abc
 import copyreg
+import dis
 import hashlib
 import io
 import logging
@@ -211,11 +212,16 @@ def _shared_value(obj: Any) -> tuple | None:
 
 
 def _global_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
+    """The globals that ``code`` (and the code it holds) reads: not its attribute names (``np.load`` reads ``np``,
+    whatever a global ``load`` of the module holds: a ``Compose`` with its random state, say)."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_OPS and isinstance(i.argval, str)}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _global_names(const)
     return names
+
+
+_GLOBAL_OPS = {"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME", "DELETE_NAME"}
 
 
 def _function_parts(fn: types.FunctionType) -> tuple:

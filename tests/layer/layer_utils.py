@@ -113,3 +113,15 @@ def mapped_files(address: int) -> list[str]:
             if lo <= address < hi and len(fields) >= 6:
                 found.append(fields[5])
     return found
+
+
+def forks_wheel() -> bool:
+    """Whether the tests run on the fork's wheel (MONAI with the series and the fork's patch)."""
+    from monai.data import CacheDataset
+
+    return callable(getattr(CacheDataset, "cache_stats", None))
+
+
+# a dataset notes its pipeline in a store (so that processes caching its inputs otherwise are told) on the fork's wheel
+# alone: the keyed protocol hands a store one key at a time, never the dataset's inputs
+needs_forks_wheel = unittest.skipUnless(forks_wheel(), "the fork's wheel tells a store of the dataset's pipeline")

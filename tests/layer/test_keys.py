@@ -31,7 +31,7 @@ from monai.data import CacheDataset
 from monai.transforms import Compose, Lambda, Transform
 from monai_sharedcache import SharedCacheStore, cache_stats, transforms_hashing
 from monai_sharedcache.keys import data_key, stamp_files, transforms_fingerprint, transforms_key
-from tests.layer.layer_utils import keyed_dataset
+from tests.layer.layer_utils import keyed_dataset, needs_forks_wheel
 
 TIMEOUT = 120
 
@@ -232,6 +232,7 @@ class TestProcessesOfOneStore(unittest.TestCase):
         value = multiprocessing.get_context("spawn").Value("d", 2.0)
         self.assertEqual(self.run_two(value, value), (4, [], []))
 
+    @needs_forks_wheel
     def test_pipelines_that_differ_in_one_member_are_told_which(self):
         computed, told, child_told = self.run_two("rank 0", "rank 1")
         self.assertEqual(computed, 8)  # once per pipeline: they cannot share

@@ -29,7 +29,7 @@ import unittest
 
 import numpy as np
 
-from tests.layer.layer_utils import TIMEOUT, skip_unless_store
+from tests.layer.layer_utils import TIMEOUT, needs_forks_wheel, skip_unless_store
 
 N = 4
 
@@ -203,6 +203,7 @@ class TestKeysAcrossRuns(unittest.TestCase):
         self.assertEqual(sum(f["computed"] for f in facts), N, facts)
         self.assertEqual([f["told"] for f in facts], [[], []])
 
+    @needs_forks_wheel
     def test_two_ranks_whose_pipelines_differ_in_one_member_are_told(self):
         facts = self.run_ranks("lock,logger")  # a member of another type on each rank
         self.assertEqual(sum(f["computed"] for f in facts), 2 * N, facts)  # each item once per pipeline
