@@ -726,9 +726,10 @@ def export_series(out_dir: Path, src_root: Path = ROOT, signoff: str | None = No
         signoff: who signs the PRs off, as ``Name <email>``; by default :py:func:`exporter`'s answer.
 
     Raises:
-        BuildError: no sign-off (see :py:func:`exporter`), a PR is over its size caps, mentions a name that a later PR adds, adds a forbidden token,
-            exports a test that needs the fork's own test modules, or has no commit message (no patch header and no
-            ``message`` in the series).
+        BuildError: no sign-off (see :py:func:`exporter`); a PR over its size caps, one that mentions a name that a
+            later PR adds, adds a forbidden token, OS machinery or a private module under ``monai/``, exports a test
+            that needs the fork's own test modules, or has no commit message (no patch header and no ``message`` in
+            the series); more than ``MAX_PRS`` PRs or ``SERIES_MONAI_CAP`` lines added under ``monai/`` in all.
     """
     author = exporter(signoff, src_root)
     name, email = author[: author.index(" <")], author[author.index(" <") + 2 : -1]
@@ -800,7 +801,9 @@ def export_series(out_dir: Path, src_root: Path = ROOT, signoff: str | None = No
             added = _added_lines(diff)
             for path, line in added:
                 if path.startswith("monai/") and OS_MACHINERY.search(line.split("#", 1)[0]):
-                    raise BuildError(f"PR {st.name} adds OS machinery under monai/, which belongs in the package: {line}")
+                    raise BuildError(
+                        f"PR {st.name} adds OS machinery under monai/, which belongs in the package: {line}"
+                    )
             new = [ln[len("+++ b/") :] for prev, ln in zip(diff.splitlines(), diff.splitlines()[1:])
                    if prev.startswith("--- /dev/null") and ln.startswith("+++ b/monai/")]  # fmt: skip
             private = [n for n in new if Path(n).name.startswith("_") and Path(n).name != "__init__.py"]

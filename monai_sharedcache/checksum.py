@@ -45,6 +45,7 @@ def enabled() -> bool:
     """Whether this process keeps and checks checksums: unless ``$MONAI_CACHE_CHECKSUMS`` is ``0``."""
     return os.environ.get(ENV, "1").strip() != "0"
 
+
 # no extended attributes on this file system (or for this user): its items are read unchecked
 UNSUPPORTED = {errno.ENOTSUP, getattr(errno, "EOPNOTSUPP", errno.ENOTSUP)}
 _ATTRIBUTES = hasattr(os, "setxattr")  # Linux: not macOS, where the store works too

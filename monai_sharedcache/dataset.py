@@ -136,13 +136,14 @@ def fill(dataset: Any, num_threads: int | None = None, *, cache: Any = None) -> 
         return True
 
     progress = bool(getattr(dataset, "progress", False))
-    tqdm: Any = None
+    bar: Any = None
     if progress:
         try:
             from tqdm import tqdm
+
+            bar = tqdm(total=len(cached), desc="Loading dataset")
         except ImportError:
             warnings.warn("tqdm is not installed, will not show the caching progress bar.")
-    bar = tqdm(total=len(cached), desc="Loading dataset") if tqdm is not None else None
     try:
         with ThreadPool(num_threads) as p:
             skipped = []  # being computed elsewhere: waited for once the rest is done
@@ -238,7 +239,7 @@ def cache_stats(dataset: Any, *, cache: Any = None) -> dict[str, dict[str, Any]]
     none: dict[str, Any] = {"hits": None, "misses": None, "computed": None, "refused": None}
     if isinstance(cache, dict):
         filled = sum(key in cache for key in keys)
-        items = {"filled": len(cache), "nbytes": sum(nbytes(v) for v in cache.values())}
+        items: dict[str, int | None] = {"filled": len(cache), "nbytes": sum(nbytes(v) for v in cache.values())}
     else:
-        filled, items = None, {"filled": None, "nbytes": None}
+        filled, items = None, {"filled": None, "nbytes": None}  # a server's items would be copied out
     return {"process": none, "dataset": {"capacity": len(keys), "filled": filled}, "cache": {**items, **none}}

@@ -273,7 +273,7 @@ class SharedCacheStore:
         try:
             if persistent:
                 path, ident = persist.prepare(cast(str, path))
-            self._open(path, root, claim_timeout)
+            self._open(None if path is None else os.fspath(path), root, claim_timeout)
             if persistent and (self._directory.ident.st_dev, self._directory.ident.st_ino) != ident:
                 self.close()  # a component was replaced since it was resolved
                 raise PermissionError(f"SharedCacheStore: refusing {path!r}: it changed while it was opened.")

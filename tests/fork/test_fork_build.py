@@ -255,8 +255,9 @@ class TestPRSeries(unittest.TestCase):
 
     def test_no_signoff_no_export(self):
         """The export is signed off by whoever exports it, never by a made-up address: none known is an error."""
-        with mock.patch.dict(os.environ, {build.SIGNOFF_ENV: ""}), mock.patch.object(
-            build.subprocess, "run", return_value=subprocess.CompletedProcess([], 1, "", "")
+        with (
+            mock.patch.dict(os.environ, {build.SIGNOFF_ENV: ""}),
+            mock.patch.object(build.subprocess, "run", return_value=subprocess.CompletedProcess([], 1, "", "")),
         ):
             with self.assertRaisesRegex(build.BuildError, "signed off by whoever exports it"):
                 build.exporter()
@@ -275,7 +276,11 @@ class TestPRSeries(unittest.TestCase):
                 shutil.copytree(ROOT, bad, ignore=shutil.ignore_patterns("build", "dist", ".git", "__pycache__"))
                 first = bad / "patches" / stages[0].patches[0]
                 text = first.read_text()
-                first.write_text(text.replace("+        # as a Python sequence", f"+        # {later.provides[0]}: as a Python sequence", 1))
+                first.write_text(
+                    text.replace(
+                        "+        # as a Python sequence", f"+        # {later.provides[0]}: as a Python sequence", 1
+                    )
+                )
                 with self.assertRaisesRegex(
                     build.BuildError, f"mentions {later.provides[0]!r}, which only {later.name}"
                 ):

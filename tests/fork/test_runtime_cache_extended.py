@@ -24,16 +24,17 @@ import tempfile
 import time
 import unittest
 import warnings
-from unittest import mock
 from collections import Counter
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from fork_utils import CountedLoad, Load, RandAdd, Scale, executions
 from parameterized import parameterized
 
-from monai.data import CacheDataset, DataLoader, SmartCacheDataset, transforms_hashing
+from monai.data import CacheDataset, DataLoader, SmartCacheDataset
 from monai.data import dataset as dataset_module
+from monai.data import transforms_hashing
 from monai.transforms import Compose, Lambda, Lambdad, RandomizableTransform
 
 TIMEOUT = 120.0  # seconds for any wait on another process
