@@ -45,7 +45,7 @@ from pathlib import Path
 UPSTREAM_VERSION = "1.6.1"
 UPSTREAM_WHEEL = f"monai-{UPSTREAM_VERSION}-py3-none-any.whl"
 UPSTREAM_SHA256 = "dbd3b1dd309e752e0477ed73fde03b92f80ac74bfb8a8c4260f018b5d6ab2b0b"
-FORK_BUILD = 28
+FORK_BUILD = 29
 LAYER_REQUIRES = "xxhash>=3.0"
 VERSION = f"{UPSTREAM_VERSION}+sharedcache.{FORK_BUILD}"
 
