@@ -49,9 +49,15 @@ class AddOne(RandomizableTransform):
 
 
 class TestCacheDatasetRuntimeCacheKeys(unittest.TestCase):
+    @property
+    def manager(self):
+        """A Manager, started for the tests that use one."""
+        if not hasattr(self, "_manager"):
+            self._manager = Manager()
+            self.addCleanup(self._manager.shutdown)
+        return self._manager
+
     def setUp(self):
-        self.manager = Manager()
-        self.addCleanup(self.manager.shutdown)
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
         self.log = os.path.join(tmp.name, "log")
@@ -124,12 +130,19 @@ class TestCacheDatasetRuntimeCacheKeys(unittest.TestCase):
         self.assertEqual(dup.cache_key(0), pickle_hashing(5).decode())
 
     def test_own_containers_unchanged(self):
-        """The lists of ``True`` and ``"thread"`` hold the items alone, as before."""
+        """The lists of ``True`` and ``"thread"`` hold the items alone, as before (the list of ``"process"`` too)."""
         for mode in (True, "thread"):
             ds = CacheDataset(DATA, Compose([Load(), AddOne()]), runtime_cache=mode)
             self.check(ds[3], 3)
             self.assertIs(type(ds._cache), list)
             self.assertEqual(ds._cache[3]["src"], 3)
+
+    def test_hash_func_of_digest_bytes(self):
+        """A ``hash_func`` that returns raw digest bytes (not UTF-8) keys the slots too."""
+        ds = CacheDataset(DATA, Compose([Load(), AddOne()]), runtime_cache=[], hash_func=lambda x: bytes([x, 0xFF]))
+        self.assertNotEqual(ds.cache_key(1), ds.cache_key(2))
+        for _ in range(2):
+            self.check(ds[2], 2)
 
     def test_hash_func_of_str(self):
         """A ``hash_func`` that returns ``str`` keys the slots too."""

@@ -43,9 +43,15 @@ def computed(log: str) -> list[int]:
 
 
 class TestCacheDatasetRuntimeCacheSize(unittest.TestCase):
+    @property
+    def manager(self):
+        """A Manager, started for the tests that use one."""
+        if not hasattr(self, "_manager"):
+            self._manager = Manager()
+            self.addCleanup(self._manager.shutdown)
+        return self._manager
+
     def setUp(self):
-        self.manager = Manager()
-        self.addCleanup(self.manager.shutdown)
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
         self.log = os.path.join(tmp.name, "log")
