@@ -211,13 +211,17 @@ def _shared_value(obj: Any) -> tuple | None:
     return ("shared memory", _qualname(type(obj)), _qualname(type(raw)), content)
 
 
-def _global_names(code: types.CodeType) -> set[str]:
+def _global_names(code: types.CodeType, ops: set[str] | None = None) -> set[str]:
     """The globals that ``code`` (and the code it holds) reads: not its attribute names (``np.load`` reads ``np``,
-    whatever a global ``load`` of the module holds: a ``Compose`` with its random state, say)."""
-    names = {i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_OPS and isinstance(i.argval, str)}
+    whatever a global ``load`` of the module holds: a ``Compose`` with its random state, say); with ``ops=None``,
+    every name it uses, attributes included."""
+    if ops is None:
+        names = set(code.co_names)
+    else:
+        names = {i.argval for i in dis.get_instructions(code) if i.opname in ops and isinstance(i.argval, str)}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _global_names(const)
+            names |= _global_names(const, ops)
     return names
 
 
@@ -226,15 +230,18 @@ _GLOBAL_OPS = {"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL", "STO
 
 def _function_parts(fn: types.FunctionType) -> tuple:
     """What a user function computes with: code, defaults, closure values and the globals that its code reads."""
-    names = sorted(_global_names(fn.__code__))
+    names, attributes = sorted(_global_names(fn.__code__, _GLOBAL_OPS)), _global_names(fn.__code__)
     reads: list[tuple[str, Any]] = []
     for name in names:
         if name not in fn.__globals__:
-            continue  # an attribute name, a builtin
+            continue  # a builtin
         value = fn.__globals__[name]
         if isinstance(value, types.ModuleType) and library_version(value.__name__) is None:
             # a user module: the members its code reads (``helpers.scale(x)``)
-            value = (value.__name__, [(n, vars(value)[n]) for n in names if n in vars(value) and n[:2] != "__"])
+            value = (
+                value.__name__,
+                [(n, vars(value)[n]) for n in sorted(attributes) if n in vars(value) and n[:2] != "__"],
+            )
         reads.append((name, value))
     cells = []
     for cell in fn.__closure__ or ():
