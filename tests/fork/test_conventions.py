@@ -108,7 +108,7 @@ class TestConventions(unittest.TestCase):
             ["bash", str(ROOT / "runtests.sh"), "--help"], capture_output=True, text=True, timeout=60, check=False
         )
         self.assertEqual((out.returncode, out.stderr), (0, ""))
-        self.assertIn("(also a Python where `import fcntl` fails, as on Windows)", out.stdout)
+        self.assertIn("(also a Python where `import fcntl` fails, as on Windows;", out.stdout)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import os
 import unittest
 import warnings
 from collections import Counter
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -65,9 +66,12 @@ class TestCreateSharedCacheExtended(DistTestCase):
                 store.close()  # no directory to join, as when none could be made
             return store
 
-        with warnings.catch_warnings(record=True) as caught:
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            mock.patch.object(shared_cache, "SharedCacheStore", without_room_on_the_creator),
+        ):
             warnings.simplefilter("always")
-            store = shared_cache.create_shared_cache(root=self.root, store_type=without_room_on_the_creator)
+            store = shared_cache.create_shared_cache(root=self.root)
         self.addCleanup(store.close)
         joined = [str(w.message) for w in caught if "cannot join" in str(w.message)]
         self.assertEqual(len(joined), dist.get_rank(), joined)

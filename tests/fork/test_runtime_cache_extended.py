@@ -481,7 +481,8 @@ class TestDistributed(ManagerTestCase):
         run_ranks(self, _ddp_worker, (2, init, caches, rate, self.tmp))
         cache_num = int(len(DATA) * rate)
         for n, cache in enumerate(caches):
-            self.assertEqual(len(cache), max(cache_num, lengths[n]), f"initial length {lengths[n]}")  # never trimmed
+            self.assertGreaterEqual(len(cache), max(cache_num, lengths[n]), f"initial length {lengths[n]}")  # never
+            # trimmed; two ranks may grow it at once
             self.assertEqual([e[1]["src"] for e in cache[:cache_num]], DATA[:cache_num])
             seen = []
             for r in range(2):

@@ -1067,7 +1067,7 @@ class TestDatasets(StoreCase):
     def test_sequence_indexing(self, mode: str, rate: float) -> None:
         cache = self.new_store() if mode == "store" else mode
         ds = CacheDataset(DATA, Compose([Load(), RandAdd()]), cache_rate=rate, runtime_cache=cache, progress=False)
-        store = ds._runtime.store
+        store = ds._cache.cache  # the view of the dataset's runtime cache
         self.assertIsInstance(store, cache_store.SharedCacheStore)  # "process": the package's store
         if mode == "process":
             self.addCleanup(store.close)

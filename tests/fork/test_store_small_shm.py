@@ -50,7 +50,7 @@ class AddOne(RandomizableTransform):
 
 if __name__ == "__main__":
     ds = CacheDataset(list(range(48)), Compose([Load(), AddOne()]), runtime_cache="process", progress=False)
-    store = ds._cache.cache.store
+    store = ds._cache.cache
     assert os.path.dirname(store.path) == "/dev/shm", store.path
     loader = DataLoader(ds, batch_size=2, num_workers=2, timeout=120)
     for epoch in range(3):
