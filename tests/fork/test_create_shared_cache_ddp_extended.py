@@ -66,6 +66,7 @@ class TestCreateSharedCacheExtended(DistTestCase):
                 store.close()  # no directory to join, as when none could be made
             return store
 
+        without_room_on_the_creator.supported = SharedCacheStore.supported  # type: ignore[attr-defined]
         with (
             warnings.catch_warnings(record=True) as caught,
             mock.patch.object(shared_cache, "SharedCacheStore", without_room_on_the_creator),
