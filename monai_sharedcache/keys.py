@@ -527,6 +527,11 @@ def kept_digests(keeper: Any) -> Callable[[str, os.stat_result], bytes]:
     return partial(_kept_digest, keeper)
 
 
+DIRECTORY_SECONDS = 5.0  # how long a directory's listing stands for the keys made meanwhile in a process
+_DIRECTORIES: dict[tuple, tuple[float, tuple]] = {}
+_DIRECTORY_LOCK = threading.Lock()
+
+
 def _stamp(name: str, content: Callable[[str, os.stat_result], bytes] | None) -> tuple | None:
     try:
         st = os.stat(name)
@@ -534,7 +539,19 @@ def _stamp(name: str, content: Callable[[str, os.stat_result], bytes] | None) ->
         return None
     path = os.path.abspath(name)
     if stat.S_ISDIR(st.st_mode):  # a reader that loads a directory (a DICOM series) reads the files in it
-        return _stamp_directory(path, content)
+        # listed once while the keys of many inputs that name it are made (a label naming the data's root: a listing
+        # per input would be quadratic), and anew after DIRECTORY_SECONDS or a change of the directory itself
+        memo = (path, content is None, _stat_data(st))
+        with _DIRECTORY_LOCK:
+            known = _DIRECTORIES.get(memo)
+        if known is not None and time.monotonic() - known[0] < DIRECTORY_SECONDS:
+            return known[1]
+        stamped = _stamp_directory(path, content)
+        with _DIRECTORY_LOCK:
+            if len(_DIRECTORIES) > 4096:
+                _DIRECTORIES.clear()
+            _DIRECTORIES[memo] = (time.monotonic(), stamped)
+        return stamped
     if not stat.S_ISREG(st.st_mode):  # a device, a pipe: plain data
         return None
     try:

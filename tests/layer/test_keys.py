@@ -272,6 +272,22 @@ class TestFileStamps(unittest.TestCase):
         np.save(path, np.full(4, value))
         return path
 
+    def test_a_directory_that_many_inputs_name_is_listed_once(self):
+        """A label naming the data's root: the keys of its inputs list it once, not once per input (quadratic)."""
+        os.makedirs(os.path.join(self.tmp, "root"))
+        for i in range(20):
+            open(os.path.join(self.tmp, "root", f"f{i}"), "w").close()
+        data = [{"id": i, "site": os.path.join(self.tmp, "root")} for i in range(20)]
+        ds = CacheDataset(data, Compose([Lambda(lambda d: d["id"])]), runtime_cache=[], progress=False, **self.keys)
+        with mock.patch("os.scandir", wraps=os.scandir) as lists:
+            self.assertEqual([ds[i] for i in range(20)], list(range(20)))
+        self.assertEqual(lists.call_count, 1)
+        open(os.path.join(self.tmp, "root", "new"), "w").close()  # the directory changed: listed anew
+        ds.set_data(data)
+        with mock.patch("os.scandir", wraps=os.scandir) as lists:
+            self.assertEqual(ds[0], 0)
+        self.assertEqual(lists.call_count, 1)
+
     def test_keys_read_no_file_until_an_item_is_needed(self):
         """
         The constructor and set_data stat and list nothing; an item's files, and the entries of a directory that it
