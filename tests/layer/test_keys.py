@@ -155,6 +155,8 @@ class TestTransformsFingerprint(unittest.TestCase):
 
     def test_a_shared_value_keeps_its_first_content(self):
         """A transform that counts its calls in a Value: the key stays as the count moves, and set_data reuses all."""
+        if not SharedCacheStore.supported:
+            self.skipTest("SharedCacheStore needs fcntl, missing on this platform")
         calls = multiprocessing.Value("i", 0)
 
         def count(x):
