@@ -107,10 +107,6 @@ class TestCacheDatasetRuntimeCacheSize(unittest.TestCase):
         self.assertEqual(len(cache), 8)
         self.assertEqual(computed(self.log), [0, 1, 2, 3] + [4, 4, 5, 5, 6, 6, 7, 7])
 
-    def test_unknown_mode(self):
-        with self.assertRaisesRegex(ValueError, "'proc' names no mode; accepted"):
-            CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache="proc")
-
 
 if __name__ == "__main__":
     unittest.main()
