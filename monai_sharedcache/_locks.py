@@ -251,11 +251,13 @@ def mark_kept(d: Dir) -> None:
     """
     if _exists(d, MARK) and _exists(d, KEEP):
         return
-    names = set(d.names())
-    if not names <= {KEEP, LOCK_FILE, ".tmp", MARK} or (MARK in names and KEEP not in names):
+    names, made = set(d.names()), {KEEP, LOCK_FILE, ".tmp", MARK}
+    if not names <= made or (MARK in names and KEEP not in names):
+        if _exists(d, MARK) and _exists(d, KEEP):  # completed by another process meanwhile: it marks it last
+            return
         raise ValueError(
-            f"SharedCacheStore: {d.path!r} holds {sorted(names)[:3]} and no store kept across runs: give the path of "
-            "an empty directory, or of such a store."
+            f"SharedCacheStore: {d.path!r} holds {(sorted(names - made) or sorted(names))[:3]} and no store kept across runs: give the "
+            "path of an empty directory, or of such a store."
         )
     for name in (KEEP, LOCK_FILE):
         os.close(d.open(name, os.O_WRONLY | os.O_CREAT))
