@@ -255,9 +255,10 @@ def mark_kept(d: Dir) -> None:
     if not names <= made or (MARK in names and KEEP not in names):
         if _exists(d, MARK) and _exists(d, KEEP):  # completed by another process meanwhile: it marks it last
             return
+        shown = (sorted(names - made) or sorted(names))[:3]
         raise ValueError(
-            f"SharedCacheStore: {d.path!r} holds {(sorted(names - made) or sorted(names))[:3]} and no store kept across runs: give the "
-            "path of an empty directory, or of such a store."
+            f"SharedCacheStore: {d.path!r} holds {shown} and no store kept across runs: give the path of an empty "
+            "directory, or of such a store."
         )
     for name in (KEEP, LOCK_FILE):
         os.close(d.open(name, os.O_WRONLY | os.O_CREAT))

@@ -9,8 +9,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """
-What the package does with a ``CacheDataset`` whose runtime cache is keyed (a :py:class:`SharedCacheStore`, a
-``dict``, a ``Manager().dict()``): :py:func:`fill`, :py:func:`refresh` and :py:func:`cache_stats`. They read the
+What the package does with a ``CacheDataset`` whose runtime cache is keyed (a :py:class:`SharedCacheStore`, or
+another ``monai.data.KeyedCache``): :py:func:`fill`, :py:func:`refresh` and :py:func:`cache_stats`. They read the
 dataset's public attributes only, and its keys from ``CacheDataset.cache_key``, so they work on any MONAI whose
 ``CacheDataset`` keys its runtime cache, with or without the fork's patches.
 """
@@ -40,10 +40,10 @@ def _keyed_cache(dataset: Any, cache: Any = None) -> Any:
         import monai
 
         raise TypeError("monai_sharedcache " + NEEDS_KEYED.format(version=monai.__version__))
-    if not callable(getattr(cache, "get", None)) or isinstance(cache, (str, bool)):
+    if not all(callable(getattr(cache, name, None)) for name in ("get", "put")) or isinstance(cache, (str, bool)):
         raise TypeError(
-            f"monai_sharedcache works on a keyed runtime cache (an object with get, such as a SharedCacheStore or a "
-            f"dict), got runtime_cache={cache!r} of type {type(cache).__name__}."
+            f"monai_sharedcache works on a keyed runtime cache (monai.data.KeyedCache: an object with get and put, "
+            f"such as a SharedCacheStore), got runtime_cache={cache!r} of type {type(cache).__name__}."
         )
     return cache
 
@@ -86,8 +86,8 @@ def fill(dataset: Any, num_threads: int | None = None, *, cache: Any = None) -> 
     ranks of a node), the work is split by the store's claims: an item that another rank or thread is computing is
     skipped, and waited for after the others, so every item is computed once per node, and ranks that fill at once
     share the items evenly, under any launcher. A rank that dies leaves its unfinished items to the others (its claims
-    go with it). It makes no collective call: each rank may call it or not. With another keyed cache (a ``dict``),
-    each caller computes what it does not find.
+    go with it). It makes no collective call: each rank may call it or not. With another keyed cache, each caller
+    computes what it does not find.
 
     Args:
         dataset: a ``CacheDataset`` with a keyed ``runtime_cache``.
@@ -129,7 +129,7 @@ def fill(dataset: Any, num_threads: int | None = None, *, cache: Any = None) -> 
             return bool(cache.fill(key, lambda: compute(index), wait))
         try:
             if cache.get(key) is None:
-                cache[key] = compute(index)
+                cache.put(key, compute(index))
         except (OSError, EOFError) as err:  # a dead container: computed in vain, as CacheDataset would serve them
             warnings.warn(f"monai_sharedcache.fill: the runtime cache is unreachable ({err!r}).", RuntimeWarning)
             return True
@@ -173,7 +173,8 @@ def refresh(dataset: Any, *, cache: Any = None) -> None:
             gives the store that it made).
 
     Raises:
-        TypeError: the runtime cache is not keyed, or MONAI's ``CacheDataset`` has no keyed runtime caches.
+        TypeError: the runtime cache is not keyed, or has no ``discard(keys)`` if it is not a store; or MONAI's
+            ``CacheDataset`` has no keyed runtime caches.
     """
     cache = _keyed_cache(dataset, cache)
     if cache is None:
@@ -182,11 +183,16 @@ def refresh(dataset: Any, *, cache: Any = None) -> None:
     if isinstance(cache, SharedCacheStore):
         cache.discard(keys)
         return
-    for key in keys:
-        try:
-            cache.pop(key, None)
-        except (OSError, EOFError):  # a dead container holds nothing to drop
-            return
+    discard = getattr(cache, "discard", None)
+    if not callable(discard):
+        raise TypeError(
+            f"refresh drops items with the cache's discard(keys), which {type(cache).__name__} lacks: give it one, "
+            "or use a SharedCacheStore."
+        )
+    try:
+        discard(keys)
+    except (OSError, EOFError):  # a dead container holds nothing to drop
+        pass
 
 
 def nbytes(item: Any) -> int:
@@ -218,9 +224,8 @@ def cache_stats(dataset: Any, *, cache: Any = None) -> dict[str, dict[str, Any]]
         store) in this process of the items of the dataset's cached transforms, where its keys come from the store's
         ``hash_transform`` (else of the whole store in this process); ``dataset`` has ``capacity`` (its cached
         inputs) and ``filled`` (those whose item is stored now, one ``stat`` each); ``cache`` has the store's
-        :py:meth:`~SharedCacheStore.stats`, the counts of all its processes. With a ``dict``, items and bytes are
-        counted and events are ``None``; a number is ``None`` where it cannot be told without copying the items of a
-        container shared through a server.
+        :py:meth:`~SharedCacheStore.stats`, the counts of all its processes. With another keyed cache, only
+        ``capacity`` is known: the other numbers are ``None`` (its ``get`` alone would copy every item out).
 
     Raises:
         TypeError: the runtime cache is not keyed, or MONAI's ``CacheDataset`` has no keyed runtime caches.
@@ -237,9 +242,5 @@ def cache_stats(dataset: Any, *, cache: Any = None) -> dict[str, dict[str, Any]]
             "cache": cache.stats(),
         }
     none: dict[str, Any] = {"hits": None, "misses": None, "computed": None, "refused": None}
-    if isinstance(cache, dict):
-        filled = sum(key in cache for key in keys)
-        items: dict[str, int | None] = {"filled": len(cache), "nbytes": sum(nbytes(v) for v in cache.values())}
-    else:
-        filled, items = None, {"filled": None, "nbytes": None}  # a server's items would be copied out
-    return {"process": none, "dataset": {"capacity": len(keys), "filled": filled}, "cache": {**items, **none}}
+    items = {"filled": None, "nbytes": None}  # get alone would copy out every item to count it
+    return {"process": none, "dataset": {"capacity": len(keys), "filled": None}, "cache": {**items, **none}}

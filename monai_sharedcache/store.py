@@ -75,7 +75,10 @@ _TURNS = ".turns"  # a lock per stripe of item files: their writers and removers
 _STRIPES = 128  # few enough that a removal of many items holds them all at once, under `ulimit -n 1024`
 _ASIDE = ".aside"  # removed items that a mapping kept by some process still pins: counted until it is released
 _NAME = re.compile(r"[0-9A-Za-z_-]{1,128}")
-_TAG = re.compile(r"[0-9a-f]{64}")  # the hex digest that hash_transform gives, at the end of a key
+_TAG = re.compile(r"[0-9a-f]{64}")
+_PLAIN_KEY = re.compile(
+    r"[0-9a-f]{32}(?:[0-9a-f]{32})?"
+)  # CacheDataset's default keys: md5 of pickle, and of JSON  # the hex digest that hash_transform gives, at the end of a key
 # errors that do not go away by themselves: the process stops writing
 _PERSISTENT = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", -1)}
 _NO_ROOM = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", -1)}  # a file system without room, or a quota
@@ -553,9 +556,24 @@ class SharedCacheStore:
 
     def __setitem__(self, key: str, item: Any) -> None:
         """Store ``item`` under ``key`` as :py:meth:`put` does; an item that cannot be stored is not, after a warning."""
+        self.put(key, item)
+
+    def put(self, key: str, item: Any) -> bool:
+        """
+        Store ``item`` under ``key``: the ``put`` of MONAI's ``KeyedCache`` protocol, by which a ``CacheDataset``
+        stores an item that it computed after a miss of :py:meth:`get`.
+
+        Returns:
+            whether it was stored: not past the reserve or ``max_bytes``, after a fault, or an item that cannot be
+            stored (unpicklable, a type that the allow-list leaves out, a tensor off the CPU), each after one warning.
+
+        Raises:
+            TypeError: ``key`` is an index, as a ``CacheDataset`` without keyed runtime caches gives it.
+        """
         if not isinstance(key, str):
             _need_keyed()
-        if not self._keyed:
+        tag = self._tag(key)
+        if tag is None and not self._keyed and _PLAIN_KEY.fullmatch(key):
             self._warn_once(
                 "stores items under keys that its key functions did not make",
                 "CacheDataset keys by pickle and the transforms' names alone then: an edited file or function keeps "
@@ -563,22 +581,21 @@ class SharedCacheStore:
                 "For exact keys: CacheDataset(..., runtime_cache=store, hash_func=store.hash_func, "
                 "hash_transform=store.hash_transform).",
             )
-        tag = self._tag(key)
         try:
             with _on_behalf(tag):
                 if tag is not None:
                     counters.count(self._counters, counters.COMPUTED)
-                self._put_keyed(tag, key, item)
+                return self._put_keyed(tag, key, item)
         finally:
             self._release_lease(key)
 
-    def _put_keyed(self, tag: _Tag | None, key: str, item: Any) -> None:
-        """:py:meth:`put`, with the ids of the transforms of ``tag`` stored as their places, and left as ids here."""
+    def _put_keyed(self, tag: _Tag | None, key: str, item: Any) -> bool:
+        """:py:meth:`_store`, with the ids of the transforms of ``tag`` stored as their places, and left as ids here."""
         if tag is None or tag.operations is None:
-            self.put(key, item)
-            return
-        self.put(key, tag.operations.portable(item))
+            return self._store(key, item)
+        stored = self._store(key, tag.operations.portable(item))
         tag.operations.local(item, item)
+        return stored
 
     def __contains__(self, key: object) -> bool:
         """Whether an item is stored under ``key`` now (one ``stat``; it may be removed before it is read)."""
@@ -634,14 +651,8 @@ class SharedCacheStore:
 
     # the store's own operations
 
-    def put(self, key: str, item: Any) -> bool:
-        """
-        Store ``item`` under ``key``.
-
-        Returns:
-            whether it was stored: not past the reserve or ``max_bytes``, after a fault, or an item that cannot be
-            stored (unpicklable, a type that the allow-list leaves out, a tensor off the CPU), each after one warning.
-        """
+    def _store(self, key: str, item: Any) -> bool:
+        """Store ``item`` under ``key``; whether it was stored (see :py:meth:`put`)."""
         name = self._stem(key) + ".item"
         turns = self._turns([name])  # whether this write replaces a copy is known only if writers take turns
         self._room.stripe = _stripe(name) if turns else None  # its turn: this put may evict in its own stripe

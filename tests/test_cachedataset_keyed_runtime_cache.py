@@ -17,12 +17,11 @@ import unittest
 from multiprocessing import Manager
 
 import torch
-from parameterized import parameterized
 from torch.utils.data import DataLoader  # batch_size=None: the items as they are
 
-from monai.data import CacheDataset
-from monai.data.utils import json_hashing
-from monai.transforms import Compose, RandomizableTransform, Transform
+from monai.data import CacheDataset, KeyedCache
+from monai.data.utils import json_hashing, pickle_hashing
+from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
 
 DATA = list(range(8))
 
@@ -48,7 +47,7 @@ class AddOne(RandomizableTransform):
 
 
 class Store:
-    """The protocol and nothing else: a ``get`` and an item assignment, each call recorded."""
+    """The protocol and nothing else: ``get`` and ``put``, each call recorded."""
 
     def __init__(self) -> None:
         self.items: dict = {}
@@ -58,8 +57,21 @@ class Store:
         self.calls.append(("get", key))
         return self.items.get(key)
 
-    def __setitem__(self, key, item) -> None:
-        self.calls.append(("set", key))
+    def put(self, key, item) -> None:
+        self.calls.append(("put", key))
+        self.items[key] = item
+
+
+class DictCache:
+    """A keyed cache over a ``dict`` or a ``Manager().dict()`` (which DataLoader workers share)."""
+
+    def __init__(self, items) -> None:
+        self.items = items
+
+    def get(self, key):
+        return self.items.get(key)
+
+    def put(self, key, item) -> None:
         self.items[key] = item
 
 
@@ -75,6 +87,7 @@ class TestCacheDatasetKeyedRuntimeCache(unittest.TestCase):
 
     def test_protocol(self):
         store = Store()
+        self.assertIsInstance(store, KeyedCache)
         ds = CacheDataset(DATA, Compose([Load(self.log), AddOne()]), cache_rate=0.5, runtime_cache=store)
         self.assertEqual(store.calls, [])  # the constructor asks nothing
         for _ in range(2):
@@ -83,18 +96,15 @@ class TestCacheDatasetKeyedRuntimeCache(unittest.TestCase):
                 torch.testing.assert_close(ds[i]["img"], torch.full((2, 3), i + 1.0))
         keys = [ds.cache_key(i) for i in range(4)]
         self.assertEqual(sorted(store.items), sorted(keys))
-        self.assertEqual([c for c in store.calls if c[0] == "set"], [("set", k) for k in keys])
+        self.assertEqual([c for c in store.calls if c[0] == "put"], [("put", k) for k in keys])
         self.assertEqual(self.computed(), sorted([0, 1, 2, 3] + [4, 5, 6, 7] * 4))  # the cached half once
         ds.set_data(DATA[::-1])  # no resync: the keys follow the inputs
         self.assertEqual(ds[0]["src"], 7)
         self.assertEqual(self.computed().count(7), 5)  # data[0] is now 7, which was not cached: computed once more
 
-    @parameterized.expand([("dict",), ("manager",)])
-    def test_datasets_share_by_content(self, kind):
-        """Datasets of other lengths and orders, ``hash_as_key`` or not, share a dict by their keys."""
-        manager = Manager()
-        self.addCleanup(manager.shutdown)
-        cache = manager.dict() if kind == "manager" else {}
+    def test_datasets_share_by_content(self):
+        """Datasets of other lengths and orders, ``hash_as_key`` or not, share a keyed cache by their keys."""
+        cache = DictCache({})
         ds = CacheDataset(DATA, Compose([Load(self.log), AddOne()]), runtime_cache=cache, hash_transform=json_hashing)
         self.assertEqual([d["src"] for d in ds], DATA)
         other = CacheDataset(
@@ -106,19 +116,53 @@ class TestCacheDatasetKeyedRuntimeCache(unittest.TestCase):
         self.assertEqual([d["src"] for d in again], DATA[2:])
         self.assertEqual(self.computed(), DATA)  # `again` computed nothing
         self.assertEqual([d["src"] for d in other], DATA[::-1] + [5, 8])
-        self.assertEqual(len(cache), 8 + 9)
+        self.assertEqual(len(cache.items), 8 + 9)
+
+    def test_hash_transform_separates_pipelines(self):
+        """Other cached transforms, other keys: as ``PersistentDataset``'s ``hash_transform``, nested ``Compose`` too."""
+        cache = DictCache({})
+        one = CacheDataset(DATA, Compose([Load(self.log), AddOne()]), runtime_cache=cache, hash_transform=json_hashing)
+        nested = Compose([Compose([Load(self.log), Lambda(lambda d: d)]), AddOne()])
+        two = CacheDataset(DATA, nested, runtime_cache=cache, hash_transform=json_hashing)
+        self.assertEqual(one[1]["src"], two[1]["src"])
+        self.assertEqual(self.computed(), [1, 1])
+        # the transforms before the first random one of the flattened list, their names as JSON cannot serialize them
+        self.assertEqual(two.transform_hash, json_hashing("LoadLambda").decode())
+        self.assertEqual(two.cache_key(2), pickle_hashing(2).decode() + two.transform_hash)
+
+    def test_cache_key(self):
+        ds = CacheDataset(DATA, Compose([Load(self.log)]), cache_rate=0.5, runtime_cache=Store())
+        self.assertEqual(ds.cache_key(2), pickle_hashing(2).decode())
+        self.assertEqual(ds.cache_key(-5), ds.cache_key(3))
+        self.assertIsNone(ds.cache_key(4))  # not cached
+        with self.assertRaises(IndexError):
+            ds.cache_key(8)
+        dup = CacheDataset([5, 5, 6], Compose([Load(self.log)]), hash_as_key=True, cache_num=1, runtime_cache=Store())
+        self.assertEqual([dup.cache_key(i) is None for i in range(3)], [False, False, True])
+        raw = CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=Store(), hash_func=lambda x: bytes([x, 255]))
+        self.assertEqual(raw.cache_key(1), "01ff")  # not ASCII: in hex
+        text = CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=Store(), hash_func=lambda x: f"in {x}")
+        self.assertEqual(text.cache_key(1), "in 1")
+
+    def test_dict_is_still_a_container_of_slots(self):
+        """A ``dict`` has no ``put``: given pre-sized, it keeps its slots by index, as before this protocol."""
+        slots: dict = dict.fromkeys(range(4))
+        ds = CacheDataset(DATA[:4], Compose([Load(self.log), AddOne()]), runtime_cache=slots)
+        self.assertEqual([d["src"] for d in ds], DATA[:4])
+        self.assertEqual(sorted(slots), [0, 1, 2, 3])
+        self.assertTrue(all(slots.values()))
 
     def test_manager_dict_in_workers(self):
-        """DataLoader workers share a ``Manager().dict()``: one item per input, across epochs."""
+        """DataLoader workers share a keyed cache over a ``Manager().dict()``: one item per input, across epochs."""
         manager = Manager()
         self.addCleanup(manager.shutdown)
-        cache = manager.dict()
+        cache = DictCache(manager.dict())
         ds = CacheDataset(DATA, Compose([Load(self.log), AddOne()]), runtime_cache=cache)
         loader = DataLoader(ds, batch_size=None, num_workers=2, timeout=60)
         for _ in range(3):
             self.assertEqual([d["src"] for d in loader], DATA)
         self.assertEqual(self.computed(), DATA)
-        self.assertEqual(sorted(cache.keys()), sorted(ds.cache_key(i) for i in DATA))
+        self.assertEqual(sorted(cache.items.keys()), sorted(ds.cache_key(i) for i in DATA))
 
 
 if __name__ == "__main__":

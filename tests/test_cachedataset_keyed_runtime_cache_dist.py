@@ -22,15 +22,28 @@ from monai.transforms import ToTensor
 from tests.test_utils import DistCall, DistTestCase
 
 
+class DictCache:
+    """A keyed cache over a ``Manager().dict()``, which the ranks and their DataLoader workers share."""
+
+    def __init__(self, items) -> None:
+        self.items = items
+
+    def get(self, key):
+        return self.items.get(key)
+
+    def put(self, key, item) -> None:
+        self.items[key] = item
+
+
 class TestCacheDatasetKeyedRuntimeCacheDist(DistTestCase):
     @DistCall(nnodes=1, nproc_per_node=2, timeout=120)
     def test_ranks_share_a_manager_dict(self):
-        """Ranks and their DataLoader workers share one ``Manager().dict()``: each item is stored once."""
+        """Ranks and their DataLoader workers share one keyed cache: each item is stored once."""
         manager = Manager() if dist.get_rank() == 0 else None
         obj_list = [manager.dict() if manager else None]
         dist.broadcast_object_list(obj_list, src=0)
         data = list(range(10))
-        dataset = CacheDataset(data=data, transform=ToTensor(track_meta=False), runtime_cache=obj_list[0])
+        dataset = CacheDataset(data=data, transform=ToTensor(track_meta=False), runtime_cache=DictCache(obj_list[0]))
         sampler = DistributedSampler(dataset=dataset, shuffle=True)
         dataloader = DataLoader(
             dataset=dataset, sampler=sampler, batch_size=None, num_workers=2, persistent_workers=True, timeout=120

@@ -84,6 +84,18 @@ class TestCacheDatasetRuntimeCacheSize(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, rf"\(length {len(cache)}\) .* cache_num=8 slots; accepted"):
             CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache)
 
+    def test_failed_set_data_changes_nothing(self):
+        class Fixed(list):
+            def extend(self, other):  # a container of a fixed size
+                raise TypeError("fixed size")
+
+        ds = CacheDataset(DATA[:4], Compose([Load(self.log)]), runtime_cache=Fixed([None] * 4))
+        self.assertEqual(int(ds[1][0, 0]), 1)
+        with self.assertRaisesRegex(ValueError, "cannot be grown in place"):
+            ds.set_data(DATA)
+        self.assertEqual((ds.data, ds.cache_num), (DATA[:4], 4))
+        self.assertEqual([int(ds[i][0, 0]) for i in range(4)], DATA[:4])
+
     def test_long_enough_fixed_size(self):
         """A container of ``cache_num`` slots or more is used as it is, whatever it can do besides indexing."""
 

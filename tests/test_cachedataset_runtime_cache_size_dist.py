@@ -40,7 +40,8 @@ class TestCacheDatasetRuntimeCacheSizeDist(DistTestCase):
             got = [int(d[0]) for d in dataloader]
             self.assertEqual(got, data[dist.get_rank() :: 2])
             dist.barrier()
-        for j, c in enumerate(dataset._cache):  # every rank's items, in the shared slots
+        for j in range(dataset.cache_num):  # every rank's items, in the shared slots (those past cache_num unused)
+            c = dataset._cache[j]
             self.assertIsInstance(c, torch.Tensor)
             self.assertEqual(int(c), j + 1)
         del dataloader  # its workers hold the container: gone before the Manager is

@@ -40,9 +40,11 @@ class TestCacheDatasetSequenceIndexing(unittest.TestCase):
     def tearDownClass(cls):
         cls.manager.shutdown()
 
-    @parameterized.expand([(m, r) for m in (False, True, "thread", "process", "proxy") for r in (0.5, 1.0)])
+    @parameterized.expand([(m, r) for m in (False, True, "thread", "process", "proxy", "long") for r in (0.5, 1.0)])
     def test_sequence_indexing(self, mode, rate):
-        cache = self.manager.list([None] * int(len(DATA) * rate)) if mode == "proxy" else mode
+        cache = mode
+        if mode in ("proxy", "long"):  # a container of cache_num slots, or 3 more
+            cache = self.manager.list([None] * (int(len(DATA) * rate) + 3 * (mode == "long")))
         load = Lambda(lambda x: {"src": x, "img": torch.full((2, 3), float(x))})
         ds = CacheDataset(DATA, Compose([load, AddOne()]), cache_rate=rate, runtime_cache=cache)
         for _ in range(2):  # the second time from the cache
@@ -56,6 +58,8 @@ class TestCacheDatasetSequenceIndexing(unittest.TestCase):
         self.assertEqual([d["src"] for d in list(ds)], DATA)  # iteration stops at the IndexError
         self.assertEqual([d["src"] for d in ds[2:7:2]], [2, 4, 6])
         self.assertEqual([d["src"] for d in ds[[5, -1]]], [5, 7])
+        if mode == "long":  # a negative index fills the slot of its item, never one from the container's end
+            self.assertEqual([c is not None for c in cache], [True] * ds.cache_num + [False] * 3)
 
 
 if __name__ == "__main__":

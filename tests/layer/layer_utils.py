@@ -42,6 +42,23 @@ ENV_DEFAULT_ROOT = {k: v for k, v in ENV.items() if not k.startswith("MONAI_CACH
 IN_PRIVATE_MOUNTS = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
 
 
+class DictCache:
+    """A keyed cache (``get`` and ``put``, MONAI's ``KeyedCache``) over a ``dict`` or a ``Manager().dict()``."""
+
+    def __init__(self, items: Any) -> None:
+        self.items = items
+
+    def get(self, key: str) -> Any:
+        return self.items.get(key)
+
+    def put(self, key: str, item: Any) -> None:
+        self.items[key] = item
+
+    def discard(self, keys: Any) -> None:
+        for key in keys:
+            self.items.pop(key, None)
+
+
 def exact_keys(store: Any) -> dict[str, Any]:
     """The arguments of ``CacheDataset`` that key its items in ``store`` by the store's exact keys."""
     return {"runtime_cache": store, "hash_func": store.hash_func, "hash_transform": store.hash_transform}

@@ -27,7 +27,7 @@ from parameterized import parameterized
 from monai.data import CacheDataset
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
 from monai_sharedcache import SharedCacheStore, fill
-from tests.layer.layer_utils import keyed_dataset
+from tests.layer.layer_utils import DictCache, keyed_dataset
 from tests.test_utils import skip_if_quick
 
 NO_STORE = "SharedCacheStore needs fcntl, missing on this platform"
@@ -85,20 +85,20 @@ class TestFill(unittest.TestCase):
 
     def runtime_cache(self, mode: str, **kwargs) -> object:
         """
-        The runtime cache of ``mode``: a keyed cache (``dict``, ``Manager().dict()``, a store), or a container of
+        The runtime cache of ``mode``: a keyed cache (over a ``dict`` or ``Manager().dict()``, a store), or a container of
         slots of the series (``listproxy``, ``list``, ``thread``, ``process``: the fork's tests of ``ds.fill()``).
         """
         if mode in ("listproxy", "managerdict"):
             manager = Manager()
             self.addCleanup(manager.shutdown)
-            return manager.list() if mode == "listproxy" else manager.dict()
+            return manager.list() if mode == "listproxy" else DictCache(manager.dict())
         if mode == "store":
             if not SharedCacheStore.supported:
                 self.skipTest(NO_STORE)
             store = SharedCacheStore(root=self.tmp, **kwargs)
             self.addCleanup(store.close)
             return store
-        return {"eager": False, "thread": True, "process": "process", "list": [], "dict": {}}[mode]
+        return {"eager": False, "thread": True, "process": "process", "list": [], "dict": DictCache({})}[mode]
 
     def dataset(self, mode: str, data=None, **kwargs) -> CacheDataset:
         """A dataset of ``mode``'s runtime cache; a store's keys are its exact keys."""
@@ -133,7 +133,7 @@ class TestFill(unittest.TestCase):
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         for num_threads, expected in ((3, 3), (None, min(cpus, 8))):
             threads.clear()
-            ds = CacheDataset(list(range(8)), Compose([slow]), runtime_cache={}, progress=False)
+            ds = CacheDataset(list(range(8)), Compose([slow]), runtime_cache=DictCache({}), progress=False)
             fill(ds, num_threads=num_threads)
             self.assertEqual(len(threads), expected, num_threads)
         for bad in (0, -1, 1.5, True):
@@ -144,7 +144,7 @@ class TestFill(unittest.TestCase):
     def test_a_container_of_slots_is_refused(self, mode: str) -> None:
         """The package fills keyed caches: a container of slots is a ``TypeError`` that names it, computing nothing."""
         ds = self.dataset(mode)
-        with self.assertRaisesRegex(TypeError, "keyed runtime cache .*such as a SharedCacheStore or a dict"):
+        with self.assertRaisesRegex(TypeError, "keyed runtime cache .*with get and put, such as a SharedCacheStore"):
             fill(ds)
         self.assertEqual(computations(self.log), Counter())
 

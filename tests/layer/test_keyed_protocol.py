@@ -27,6 +27,7 @@ from typing import Any
 import monai_sharedcache
 from monai.transforms import Compose, Lambda
 from monai_sharedcache import SharedCacheStore
+from tests.layer.layer_utils import DictCache
 from tests.layer.test_cache_store import needs_store
 
 CALLS: list = []  # the inputs that the cached transform read, in this process
@@ -82,8 +83,11 @@ class TestKeyedProtocol(unittest.TestCase):
 
     def test_mapping_protocol(self):
         store = self.new_store()
-        with self.assertWarnsRegex(RuntimeWarning, "hash_func=store.hash_func"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a key of the user's own: no warning
             store["k"] = {"a": 1}
+        with self.assertWarnsRegex(RuntimeWarning, "hash_func=store.hash_func"):  # a key of pickle_hashing alone
+            store.put("0123456789abcdef0123456789abcdef", 1)
         self.assertEqual((store["k"], "k" in store, "x" in store, store.get("x")), ({"a": 1}, True, False, None))
         with self.assertRaises(KeyError):
             store["x"]
@@ -124,13 +128,19 @@ class TestKeyedProtocol(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, "needs MONAI with CacheDataset keyed runtime caches"):
             monai_sharedcache.fill(ds)
 
-    def test_a_dict_is_keyed_too(self):
+    def test_another_keyed_cache(self):
+        """Any ``KeyedCache`` (``get`` and ``put``) is filled and refreshed; a ``dict`` (no ``put``) is not keyed."""
         store = self.new_store()
         ds = self.dataset(store, self.files(2))
-        ds.runtime_cache = {}
+        ds.runtime_cache = DictCache({})
         monai_sharedcache.fill(ds)
-        self.assertEqual(sorted(ds.runtime_cache.values()), ["0", "1"])
-        self.assertEqual(monai_sharedcache.cache_stats(ds)["dataset"], {"capacity": 2, "filled": 2})
+        self.assertEqual(sorted(ds.runtime_cache.items.values()), ["0", "1"])
+        self.assertEqual(monai_sharedcache.cache_stats(ds)["dataset"], {"capacity": 2, "filled": None})
+        monai_sharedcache.refresh(ds)
+        self.assertEqual(ds.runtime_cache.items, {})
+        ds.runtime_cache = {}
+        with self.assertRaisesRegex(TypeError, "KeyedCache: an object with get and put.*type dict"):
+            monai_sharedcache.fill(ds)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from monai.data import CacheDataset
 from monai.transforms import Compose, Lambda, Transform
 from monai_sharedcache import SharedCacheStore, cache_stats, transforms_hashing
 from monai_sharedcache.keys import data_key, stamp_files, transforms_fingerprint, transforms_key
-from tests.layer.layer_utils import keyed_dataset, needs_forks_wheel
+from tests.layer.layer_utils import DictCache, keyed_dataset, needs_forks_wheel
 
 TIMEOUT = 120
 
@@ -191,11 +191,11 @@ class TestTransformsFingerprint(unittest.TestCase):
 
         data = [np.arange(3.0)]
         with self.assertWarnsRegex(UserWarning, "socket.*neither shared .* hash_transform="):
-            CacheDataset(data, Compose([Holds(a)]), runtime_cache=[], progress=False, **self.keys)
+            CacheDataset(data, Compose([Holds(a)]), runtime_cache=DictCache({}), progress=False, **self.keys)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a fingerprint of the user's own: no warning
             keys = {**self.keys, "hash_transform": lambda t: b"mine"}
-            ds = CacheDataset(data, Compose([Holds(a)]), runtime_cache=[], progress=False, **keys)
+            ds = CacheDataset(data, Compose([Holds(a)]), runtime_cache=DictCache({}), progress=False, **keys)
         self.assertTrue(ds.cache_key(0).endswith("mine"))
 
 
@@ -280,7 +280,9 @@ class TestFileStamps(unittest.TestCase):
         for i in range(20):
             open(os.path.join(self.tmp, "root", f"f{i}"), "w").close()
         data = [{"id": i, "site": os.path.join(self.tmp, "root")} for i in range(20)]
-        ds = CacheDataset(data, Compose([Lambda(lambda d: d["id"])]), runtime_cache=[], progress=False, **self.keys)
+        ds = CacheDataset(
+            data, Compose([Lambda(lambda d: d["id"])]), runtime_cache=DictCache({}), progress=False, **self.keys
+        )
         with mock.patch("os.scandir", wraps=os.scandir) as lists:
             self.assertEqual([ds[i] for i in range(20)], list(range(20)))
         self.assertEqual(lists.call_count, 1)
@@ -302,7 +304,7 @@ class TestFileStamps(unittest.TestCase):
         load = Load(os.path.join(self.tmp, "log"))
         with mock.patch("os.stat", wraps=os.stat) as stats, mock.patch("os.scandir", wraps=os.scandir) as lists:
             t = Compose([Lambda(lambda d: d["img"]), load])
-            ds = CacheDataset(data, t, runtime_cache=[], progress=False, **self.keys)
+            ds = CacheDataset(data, t, runtime_cache=DictCache({}), progress=False, **self.keys)
             ds.set_data(data)
             stat_of = lambda: [c.args[0] for c in stats.call_args_list if c.args[0] in {*paths, "train"}]  # noqa
             self.assertEqual((stat_of(), lists.call_count), ([], 0))
@@ -337,7 +339,7 @@ class TestFileStamps(unittest.TestCase):
     def test_rewritten_in_place_is_recomputed_and_unchanged_is_not(self):
         path = self.save("img.npy", 1.0)
         load = Load(os.path.join(self.tmp, "log"))
-        ds = CacheDataset([path], Compose([load]), runtime_cache=[], progress=False, **self.keys)
+        ds = CacheDataset([path], Compose([load]), runtime_cache=DictCache({}), progress=False, **self.keys)
         self.assertEqual((float(ds[0][0]), load.calls), (1.0, 1))
         ds.set_data([path])  # nothing changed: nothing computed
         self.assertEqual((float(ds[0][0]), load.calls), (1.0, 1))
@@ -355,7 +357,7 @@ class TestFileStamps(unittest.TestCase):
         path = self.save("img.npy", 1.0)
         load = Load(os.path.join(self.tmp, "log"))
         keys = {**self.keys, "hash_func": lambda p: b"k"}
-        ds = CacheDataset([path], Compose([load]), runtime_cache=[], progress=False, **keys)
+        ds = CacheDataset([path], Compose([load]), runtime_cache=DictCache({}), progress=False, **keys)
         self.assertEqual(ds.cache_key(0), "k" + ds.transform_hash)
         self.assertEqual((float(ds[0][0]), load.calls), (1.0, 1))
         self.save("img.npy", 5.0)

@@ -17,29 +17,28 @@ from multiprocessing import Manager
 import torch.distributed as dist
 from torch.utils.data import DataLoader  # batch_size=None: the items as they are
 
-from monai.data import CacheDataset
+from monai.data import CacheDataset, DistributedSampler
 from monai.transforms import ToTensor
 from tests.test_utils import DistCall, DistTestCase
 
 
-class TestCacheDatasetRuntimeCacheKeysDist(DistTestCase):
+class TestCacheDatasetSetDataRuntimeCacheDist(DistTestCase):
     @DistCall(nnodes=1, nproc_per_node=2, timeout=120)
-    def test_ranks_with_other_data(self):
-        """Ranks over their own data (another split) share one container: each reads only its own items."""
+    def test_ranks_set_data(self):
+        """Ranks that share one container call ``set_data`` between epochs: each gets the new data's items."""
         manager = Manager() if dist.get_rank() == 0 else None
-        obj_list = [manager.list([None] * 4) if manager else None]
+        obj_list = [manager.list() if manager else None]
         dist.broadcast_object_list(obj_list, src=0)
-        data = [100 * dist.get_rank() + i for i in range(4)]
-        dataset = CacheDataset(data=data, transform=ToTensor(track_meta=False), runtime_cache=obj_list[0])
-        for order in (data, data, data[::-1]):
-            if order != dataset.data:
-                dataset.set_data(order)  # the same container, resynced
-            dataloader = DataLoader(
-                dataset=dataset, batch_size=None, num_workers=2, persistent_workers=True, timeout=120
-            )
-            for _ in range(2):
-                self.assertEqual([int(d) for d in dataloader], order)
-            dist.barrier()
+        dataset = CacheDataset(data=list(range(6)), transform=ToTensor(track_meta=False), runtime_cache=obj_list[0])
+        for data in (list(range(6)), [10 + i for i in range(6)], [5, 4, 3]):
+            dist.barrier()  # no rank reads the old items any more
+            dataset.set_data(data)
+            dist.barrier()  # every rank emptied the slots: none empties an item that another one stored
+            sampler = DistributedSampler(dataset=dataset, shuffle=False)
+            dataloader = DataLoader(dataset=dataset, sampler=sampler, batch_size=None, num_workers=2, timeout=120)
+            self.assertEqual([int(d) for d in dataloader], [data[i] for i in sampler])
+        dist.barrier()
+        self.assertEqual(sorted(int(v) for v in obj_list[0][:3]), [3, 4, 5])
         del dataloader  # its workers hold the container: gone before the Manager is
         dist.barrier()
         if manager:
