@@ -21,6 +21,7 @@ import tempfile
 import threading
 import unittest
 import warnings
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -31,7 +32,7 @@ from monai.data import CacheDataset
 from monai.transforms import Compose, Lambda, Transform
 from monai_sharedcache import SharedCacheStore, cache_stats, transforms_hashing
 from monai_sharedcache.keys import data_key, stamp_files, transforms_fingerprint, transforms_key
-from tests.layer.layer_utils import DictCache, keyed_dataset, needs_forks_wheel
+from tests.layer.layer_utils import DictCache, forks_wheel, keyed_dataset, needs_forks_wheel
 
 TIMEOUT = 120
 
@@ -322,12 +323,14 @@ class TestFileStamps(unittest.TestCase):
         ds.set_data(data)
         self.assertEqual(([float(ds[i][0]) for i in range(3)], load.calls), ([0.0, 1.0, 2.0], 6))
 
-    @parameterized.expand([("list", []), ("thread", "thread")])
-    def test_same_relative_name_in_two_directories(self, _, cache):
-        """One shared container, two projects naming ``img.npy`` relatively: each gets its own item."""
+    @parameterized.expand([("keyed",), ("list",)])
+    def test_same_relative_name_in_two_directories(self, kind):
+        """One shared cache, two projects naming ``img.npy`` relatively: each gets its own item."""
+        if kind == "list" and not forks_wheel():
+            self.skipTest("a container of slots is keyed in the fork's wheel only: upstream empties it at set_data")
         self.save("a/img.npy", 1.0)
         self.save("b/img.npy", 2.0)
-        container = cache if isinstance(cache, list) else []
+        container: Any = [] if kind == "list" else DictCache({})
         values = []
         for project in ("a", "b"):
             os.chdir(os.path.join(self.tmp, project))
