@@ -737,6 +737,8 @@ def export_series(out_dir: Path, src_root: Path = ROOT, signoff: str | None = No
     git += ["-c", "commit.gpgsign=false", "-c", "core.autocrlf=false"]
     stages = read_series(src_root)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*out_dir.glob("[0-9][0-9]-*.patch"), *out_dir.glob("[0-9][0-9]-*.md")]:
+        stale.unlink()  # the PRs of an earlier export, which another series may have named otherwise
     written, summary, monai_added = [], [], 0
     with tempfile.TemporaryDirectory() as tmp:
         repo = pristine(Path(tmp) / "repo")
@@ -772,7 +774,8 @@ def export_series(out_dir: Path, src_root: Path = ROOT, signoff: str | None = No
                 if rel.startswith(PATCHES + "/"):
                     head, body = _strip_header(src.read_text(encoding="utf-8"))
                     descriptions.append(head)
-                    docs_diffs.append(body)
+                    # git's file header, as in the rest of the patch: git am and the diffstat count the file
+                    docs_diffs.append(re.sub(r"(?m)^--- a/(\S+)$", r"diff --git a/\1 b/\1\n--- a/\1", body))
                     continue
                 for f in sorted(src.rglob("*")) if src.is_dir() else [src]:
                     if f.is_file() and "__pycache__" not in f.parts:

@@ -40,7 +40,9 @@ def _keyed_cache(dataset: Any, cache: Any = None) -> Any:
         import monai
 
         raise TypeError("monai_sharedcache " + NEEDS_KEYED.format(version=monai.__version__))
-    if not all(callable(getattr(cache, name, None)) for name in ("get", "put")) or isinstance(cache, (str, bool)):
+    from monai.data import KeyedCache
+
+    if not isinstance(cache, KeyedCache):
         raise TypeError(
             f"monai_sharedcache works on a keyed runtime cache (monai.data.KeyedCache: an object with get and put, "
             f"such as a SharedCacheStore), got runtime_cache={cache!r} of type {type(cache).__name__}."

@@ -250,6 +250,7 @@ class SharedCacheStore:
         persistent: bool = False,
         weights_only: bool = True,
     ) -> None:
+        _opt_in()
         if not self.supported:
             raise NotImplementedError(
                 "SharedCacheStore needs fcntl file locks, which this platform lacks. Use "
@@ -1468,3 +1469,12 @@ def _need_keyed() -> None:
     import monai
 
     raise TypeError("SharedCacheStore as a runtime_cache " + NEEDS_KEYED.format(version=monai.__version__))
+
+
+def _opt_in() -> None:
+    """Register the store as a keyed cache of MONAI's ``CacheDataset``, where MONAI has the protocol (the series)."""
+    from monai import data
+
+    keyed = getattr(data, "KeyedCache", None)
+    if keyed is not None and not issubclass(SharedCacheStore, keyed):
+        keyed.register(SharedCacheStore)

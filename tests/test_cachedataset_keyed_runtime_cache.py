@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader  # batch_size=None: the items as they are
 
 from monai.data import CacheDataset, KeyedCache
-from monai.data.utils import json_hashing, pickle_hashing
+from monai.data.utils import json_hashing
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
 
 DATA = list(range(8))
@@ -46,7 +46,7 @@ class AddOne(RandomizableTransform):
         return d
 
 
-class Store:
+class Store(KeyedCache):
     """The protocol and nothing else: ``get`` and ``put``, each call recorded."""
 
     def __init__(self) -> None:
@@ -62,7 +62,7 @@ class Store:
         self.items[key] = item
 
 
-class DictCache:
+class DictCache(KeyedCache):
     """A keyed cache over a ``dict`` or a ``Manager().dict()`` (which DataLoader workers share)."""
 
     def __init__(self, items) -> None:
@@ -128,25 +128,34 @@ class TestCacheDatasetKeyedRuntimeCache(unittest.TestCase):
         self.assertEqual(self.computed(), [1, 1])
         # the transforms before the first random one of the flattened list, their names as JSON cannot serialize them
         self.assertEqual(two.transform_hash, json_hashing("LoadLambda").decode())
-        self.assertEqual(two.cache_key(2), pickle_hashing(2).decode() + two.transform_hash)
+        self.assertEqual(two.cache_key(2), two.hash_func(2).decode() + two.transform_hash)
 
     def test_cache_key(self):
-        ds = CacheDataset(DATA, Compose([Load(self.log)]), cache_rate=0.5, runtime_cache=Store())
-        self.assertEqual(ds.cache_key(2), pickle_hashing(2).decode())
+        no_transforms = lambda t: b""  # noqa: E731
+        cache = Store()
+        keys = {"hash_func": json_hashing, "hash_transform": no_transforms}
+        ds = CacheDataset(DATA, Compose([Load(self.log)]), cache_rate=0.5, runtime_cache=cache, **keys)
+        self.assertEqual(ds.cache_key(2), json_hashing(2).decode())  # the input's hash, then the transforms' (none)
         self.assertEqual(ds.cache_key(-5), ds.cache_key(3))
         self.assertIsNone(ds.cache_key(4))  # not cached
         with self.assertRaises(IndexError):
             ds.cache_key(8)
         dup = CacheDataset([5, 5, 6], Compose([Load(self.log)]), hash_as_key=True, cache_num=1, runtime_cache=Store())
         self.assertEqual([dup.cache_key(i) is None for i in range(3)], [False, False, True])
-        raw = CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=Store(), hash_func=lambda x: bytes([x, 255]))
-        self.assertEqual(raw.cache_key(1), "01ff")  # not ASCII: in hex
-        text = CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=Store(), hash_func=lambda x: f"in {x}")
-        self.assertEqual(text.cache_key(1), "in 1")
+        for hash_func, key in ((lambda x: bytes([x, 255]), "01ff"), (lambda x: f"in {x}", "in 1")):  # not ASCII: hex
+            ds = CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache, hash_func=hash_func)
+            ds.set_transform_hash(no_transforms)
+            self.assertEqual(ds.cache_key(1), key)
 
     def test_dict_is_still_a_container_of_slots(self):
-        """A ``dict`` has no ``put``: given pre-sized, it keeps its slots by index, as before this protocol."""
-        slots: dict = dict.fromkeys(range(4))
+        """A ``dict``, and any class that does not opt in, is a container of slots by index, as before."""
+
+        class GetPut(dict):  # get and put, but not a KeyedCache
+            def put(self, key, item):
+                self[key] = item
+
+        self.assertNotIsInstance(GetPut(), KeyedCache)
+        slots = GetPut.fromkeys(range(4))
         ds = CacheDataset(DATA[:4], Compose([Load(self.log), AddOne()]), runtime_cache=slots)
         self.assertEqual([d["src"] for d in ds], DATA[:4])
         self.assertEqual(sorted(slots), [0, 1, 2, 3])

@@ -17,12 +17,12 @@ from multiprocessing import Manager
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from monai.data import CacheDataset, DistributedSampler
+from monai.data import CacheDataset, DistributedSampler, KeyedCache
 from monai.transforms import ToTensor
 from tests.test_utils import DistCall, DistTestCase
 
 
-class DictCache:
+class DictCache(KeyedCache):
     """A keyed cache over a ``Manager().dict()``, which the ranks and their DataLoader workers share."""
 
     def __init__(self, items) -> None:

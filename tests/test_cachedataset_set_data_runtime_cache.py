@@ -67,13 +67,14 @@ class TestCacheDatasetSetDataRuntimeCache(unittest.TestCase):
         self.addCleanup(manager.shutdown)
         cache = manager.list()
         ds = CacheDataset(DATA, self.transform, runtime_cache=cache)
-        for data in ([10, 11, 12] + DATA[3:] + [20], [10, 11]):
+        for data in (DATA, [10 + i for i in DATA], [20, 21]):  # each unlike the items in the slots before it
             ds.set_data(data)
             loader = DataLoader(ds, batch_size=None, num_workers=2, timeout=60)
             for _ in range(2):
-                for i, item in enumerate(loader):
-                    self.check(item, data[i])
-        self.assertEqual(self.computed(), sorted([10, 11, 12] + DATA[3:] + [20] + [10, 11]))
+                self.assertEqual([item["src"] for item in loader], data)
+            for i in range(len(data)):
+                self.check(ds[i], data[i])
+        self.assertEqual(self.computed(), sorted(DATA + [10 + i for i in DATA] + [20, 21]))
 
     @parameterized.expand([("list",), ("proxy",)])
     def test_set_data_empties_the_slots(self, kind):

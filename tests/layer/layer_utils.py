@@ -25,7 +25,7 @@ import unittest
 from typing import Any, Callable
 
 import monai
-from monai.data import CacheDataset
+from monai.data import CacheDataset, KeyedCache
 from monai_sharedcache import SharedCacheStore
 
 TIMEOUT = 120.0  # seconds for any wait on another process
@@ -42,7 +42,7 @@ ENV_DEFAULT_ROOT = {k: v for k, v in ENV.items() if not k.startswith("MONAI_CACH
 IN_PRIVATE_MOUNTS = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
 
 
-class DictCache:
+class DictCache(KeyedCache):
     """A keyed cache (``get`` and ``put``, MONAI's ``KeyedCache``) over a ``dict`` or a ``Manager().dict()``."""
 
     def __init__(self, items: Any) -> None:
