@@ -101,21 +101,54 @@ def pin(fd: int) -> bool:
         return False
 
 
-def retire(at: Any, name: str, aside: Callable[[], Any]) -> int:
+def retire(at: Any, name: str, aside: Callable[[], Any]) -> tuple[int, int]:
     """
-    Remove the item file ``name`` of the checked directory ``at``: its size if its pages are free now, else 0. A file
-    that a kept mapping pins, in any process, is renamed into the directory ``aside()`` instead, where the store
-    counts it until :py:func:`free_aside` finds it released.
+    Remove the item file ``name`` of the checked directory ``at``. A file that a kept mapping pins, in any process, is
+    renamed into the directory ``aside()`` instead, where the store counts it until :py:func:`free_aside` finds it
+    released; if that fails (a full disk cannot make the directory or its entry), its name is removed all the same,
+    so that it is never served again, and its bytes stay in memory or on disk uncounted until its readers let go.
+
+    Returns:
+        the bytes freed now or no longer counted, and of those the bytes that stay pinned uncounted.
 
     Raises:
-        OSError: it cannot be opened, removed or renamed (``FileNotFoundError``: it is gone).
+        OSError: it cannot be opened or removed (``FileNotFoundError``: it is gone).
     """
     size, removed = _remove_unpinned(at, name)
     if removed:
-        return size
-    d = aside()  # held while its descriptor is used: a directory's descriptor is closed with it
-    os.rename(name, f"{name}-{secrets.token_hex(8)}", src_dir_fd=at.fd, dst_dir_fd=d.fd)
-    return 0
+        return size, 0
+    try:
+        d = aside()  # held while its descriptor is used: a directory's descriptor is closed with it
+        os.rename(name, f"{name}-{secrets.token_hex(8)}", src_dir_fd=at.fd, dst_dir_fd=d.fd)
+        return 0, 0
+    except OSError:
+        at.unlink(name)
+        return size, size
+
+
+def keep_aside(at: Any, name: str, aside: Callable[[], Any]) -> tuple[Any, str] | None:
+    """
+    Before the item file ``name`` of ``at`` is replaced: a second name for it in the directory ``aside()``, so that a
+    mapping that pins it stays counted there once it is replaced (see :py:func:`release_aside`). ``None`` if there is
+    no such file, or no second name can be made.
+    """
+    try:
+        d = aside()
+        new = f"{name}-{secrets.token_hex(8)}"
+        os.link(name, new, src_dir_fd=at.fd, dst_dir_fd=d.fd, follow_symlinks=False)
+        return d, new
+    except OSError:
+        return None
+
+
+def release_aside(kept: tuple[Any, str]) -> int:
+    """The bytes of a replaced file that :py:func:`keep_aside` kept, removed now if nothing pins it, else 0."""
+    d, name = kept
+    try:
+        size, removed = _remove_unpinned(d, name)
+    except OSError:
+        return 0
+    return size if removed else 0
 
 
 def free_aside(d: Any) -> tuple[int, int]:

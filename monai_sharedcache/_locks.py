@@ -342,19 +342,22 @@ def open_temp(name: str, tmp: Dir) -> Held:
     return held
 
 
-def clean_dead_temps(tmp: Dir) -> None:
-    """Remove the temporary files of writers that died while writing: unlocked, and older than a few seconds."""
+def clean_dead_files(d: Dir) -> None:
+    """
+    Remove the files of ``d`` that no process holds locked: the temporary files and claims of processes that died. A
+    file that its maker has created but not yet locked may be removed too: :py:func:`try_hold` then makes it anew.
+    """
     try:
-        old = [name for name in tmp.names() if time.time() - tmp.stat(name).st_mtime >= _MIN_AGE]
+        names = d.names()
     except OSError:
         return
-    for name in old:
+    for name in names:
         try:
-            held = try_hold(name, at=tmp)
+            held = try_hold(name, at=d)
         except OSError:
             continue
         if held is not None:
-            unlink_quiet(name, tmp)
+            unlink_quiet(name, d)
             held.close()
 
 

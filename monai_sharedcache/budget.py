@@ -16,8 +16,10 @@ per process: the bytes and the number of its items are counted in the store (``.
 ``flock``), and a writer reserves an item's bytes (and the item, if new) there before it writes, so what one process
 writes every other one sees before its next write, and no operation lists the store's directory: the store's
 statistics read the count too. What a process killed between its reservation and its item leaves counted can only
-make the count too high, never too low: the store counts its items again when the count would refuse an item, and the
-count changed since it last did.
+make the count too high, never too low. When the count would refuse an item, the store first frees the removed items
+that no reader maps any more (a listing of ``.aside``, which holds only those), and counts its items again only if a
+writer died since (its file in ``.writes`` is unlocked: the kernel's locks tell) or the last recount is older than
+``RECOUNT_SECONDS``: never at every put, however many processes write at the cap.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numbers
 import os
 import secrets
 import struct
+import time
 from typing import Any, Callable
 
 from monai_sharedcache import _flock
@@ -37,7 +40,8 @@ BUDGET_FILE = ".budget"  # {"reserve": ..., "max_bytes": ...}, as the creator re
 USED_FILE = ".used"
 RECORDS_DIR = ".records"  # budget records being written, each locked by its writer
 WRITES_DIR = ".writes"  # a file per write under way, locked by its writer, named with what it counted
-_USED = struct.Struct("<qqq")  # bytes, items, and the number of changes: a recount is made once per change
+_USED = struct.Struct("<qqqd")  # bytes, items, the number of changes, and the time of the last recount
+RECOUNT_SECONDS = 30.0  # at the cap, the items are counted anew at most this often, unless a writer died
 _LIMIT = 4096  # bytes of a budget record read at most: it is small
 
 
@@ -75,9 +79,13 @@ def record(tmp: Any, at: Any, reserve: int | None, max_bytes: int | None) -> Non
     unlocked: the store removes it when it starts a session.
     """
     new = f"{BUDGET_FILE}-{os.getpid()}-{secrets.token_hex(8)}"
-    held = _flock.hold(tmp, new)
-    if held is None:
-        raise OSError(errno.EEXIST, "a budget record of that name is held", new)
+    while True:
+        held = _flock.hold(tmp, new)
+        if held is None:
+            raise OSError(errno.EEXIST, "a budget record of that name is held", new)
+        if os.fstat(held.fd).st_nlink:
+            break
+        held.close()  # a run that started meanwhile took it for a killed run's, before it was locked: made anew
     try:
         os.write(held.fd, json.dumps({"reserve": reserve, "max_bytes": max_bytes}).encode())
         os.fsync(held.fd)
@@ -117,17 +125,25 @@ class Used:
     """The count of a store's bytes (its writes under way included) and items, for all its processes."""
 
     def __init__(
-        self, at: Callable[[], Any], recount: Callable[[], tuple[int, int]], under_way: Callable[[], bool]
+        self,
+        at: Callable[[], Any],
+        recount: Callable[[], tuple[int, int]],
+        dead: Callable[[], bool],
+        free: Callable[[], int],
     ) -> None:
         self.at, self.recount = at, recount  # the store's directory; its items and writes under way, counted in it
-        self.under_way = under_way  # whether writes are under way: one of them may have died since the last recount
-        self._recounted: int | None = None  # the number of changes of the count at the last recount
+        self.dead = dead  # whether a writer died since its reservation: what it reserved is counted still
+        self.free = free  # frees the removed items that nothing maps any more: their bytes
 
     def _lock(self) -> _flock.Held:
         held = _flock.hold(self.at(), USED_FILE, wait=60.0)  # per call: threads too are kept apart by flock
         if held is None:
             raise OSError(errno.EAGAIN, "the count of the store's bytes stays locked", USED_FILE)
         return held
+
+    def _read(self, fd: int) -> tuple[int, int, int, float] | None:
+        data = os.pread(fd, _USED.size, 0)
+        return _USED.unpack(data) if len(data) == _USED.size else None
 
     def read(self, dead: Callable[[], bool]) -> tuple[int, int]:
         """
@@ -140,15 +156,11 @@ class Used:
         """
         held = self._lock()
         try:
-            data = os.pread(held.fd, _USED.size, 0)
-            changes = -2  # without a count: the recount writes the first, as a first add does (-1)
-            if len(data) == _USED.size:
-                used, n, changes = _USED.unpack(data)
-                if not dead():
-                    return used, n
+            found = self._read(held.fd)
+            if found is not None and not dead():
+                return found[0], found[1]
             used, n = self.recount()
-            os.pwrite(held.fd, _USED.pack(used, n, changes + 1), 0)
-            self._recounted = changes + 1
+            os.pwrite(held.fd, _USED.pack(used, n, (found[2] if found else -2) + 1, time.time()), 0)
             return used, n
         finally:
             held.close()
@@ -165,10 +177,10 @@ class Used:
         held = self._lock()
         try:
             nbytes, items = remove()
-            data = os.pread(held.fd, _USED.size, 0)
-            if len(data) == _USED.size and (nbytes or items):
-                used, n, changes = _USED.unpack(data)
-                os.pwrite(held.fd, _USED.pack(max(0, used - nbytes), max(0, n - items), changes + 1), 0)
+            found = self._read(held.fd)
+            if found is not None and (nbytes or items):
+                used, n, changes, recounted = found
+                os.pwrite(held.fd, _USED.pack(max(0, used - nbytes), max(0, n - items), changes + 1, recounted), 0)
         finally:
             held.close()
 
@@ -177,30 +189,33 @@ class Used:
     ) -> tuple[bool, int]:
         """
         Add ``nbytes`` (negative: removed) and ``items`` unless the bytes would pass ``cap``, then ``made()`` under the
-        lock: whether they were added, and the bytes counted before. Past ``cap``, the items are counted anew, once
-        per change of the count.
+        lock: whether they were added, and the bytes counted before. Past ``cap``, the removed items that nothing
+        maps are freed first, and the items are counted anew if a writer died or the last recount is old.
 
         Raises:
             OSError: the count cannot be opened, read or written.
         """
         held = self._lock()
         try:
-            data = os.pread(held.fd, _USED.size, 0)
-            used, n, changes = _USED.unpack(data) if len(data) == _USED.size else (*self.recount(), -1)
-            if cap is not None and used + nbytes > cap and (changes != self._recounted or self.under_way()):
-                (used, n), changes = self.recount(), changes + 1  # less what killed processes left counted
-                os.pwrite(held.fd, _USED.pack(used, n, changes), 0)
-                self._recounted = changes
+            found = self._read(held.fd)
+            if found is None:
+                used, n, changes, recounted = (*self.recount(), -1, time.time())
+            else:
+                used, n, changes, recounted = found
+            if cap is not None and used + nbytes > cap:
+                used = max(0, used - self.free())
+                if self.dead() or time.time() - recounted > RECOUNT_SECONDS:
+                    (used, n), changes, recounted = self.recount(), changes + 1, time.time()
             fits = cap is None or used + nbytes <= cap
             if fits and (nbytes or items):
                 changes += 1
-            if fits or len(data) != _USED.size:
-                os.pwrite(held.fd, _USED.pack(max(0, used + nbytes * fits), max(0, n + items * fits), changes), 0)
+            new = _USED.pack(max(0, used + nbytes * fits), max(0, n + items * fits), changes, recounted)
+            os.pwrite(held.fd, new, 0)
             if fits and made is not None:
                 try:
                     made()
                 except BaseException:
-                    os.pwrite(held.fd, _USED.pack(used, n, changes), 0)  # not made: not counted
+                    os.pwrite(held.fd, _USED.pack(used, n, changes, recounted), 0)  # not made: not counted
                     raise
             return fits, used
         finally:

@@ -73,6 +73,7 @@ _NOTES = ".notes"  # the store's own directories: of the notes of its processes 
 _KEPT = ".kept"  # the records that a persistent store keeps across runs (keep)
 _TURNS = ".turns"  # a lock per stripe of item files: their writers and removers take turns
 _STRIPES = 128  # few enough that a removal of many items holds them all at once, under `ulimit -n 1024`
+_CLAIMS = ".claims"  # a file per item being computed, locked by the process that computes it
 _ASIDE = ".aside"  # removed items that a mapping kept by some process still pins: counted until it is released
 _NAME = re.compile(r"[0-9A-Za-z_-]{1,128}")
 _TAG = re.compile(r"[0-9a-f]{64}")
@@ -304,6 +305,8 @@ class SharedCacheStore:
             recorded = budget.recorded(at)
             self.reserve = recorded[0] if reserve is None else self.reserve
             self.max_bytes = recorded[1]
+        if path is not None and self._at() is not None:  # joined: dead processes may have left files
+            self._clean_dead()
 
     def _open(self, path: str | None, root: str | os.PathLike | None, claim_timeout: float) -> None:
         """Join the store ``path``, or make a new one in ``root``; without room there, a store that stores nothing."""
@@ -375,9 +378,12 @@ class SharedCacheStore:
         self._room = threading.local()  # per thread: the bytes that its put reserved in the count, the file it reads
         self._writes_dir: Any = None
         self._turns_dir: Any = None  # opened once per store object
+        self._claims_dir: Any = None
         self._sums = checksum.enabled()  # checksums of a persistent store on a disk, and the files this process checked
         self._checked: set[tuple[int, int, int, int]] = set()
-        self._used = budget.Used(lambda: self._directory, self._recount, lambda: bool(self._writes().names()))
+        self._used = budget.Used(
+            lambda: self._directory, self._recount, self._dead_writes, lambda: self._free_aside()[0]
+        )
         ref = weakref.ref(self)  # not the store itself: its counts would keep it alive
         slots = lambda: cast(SharedCacheStore, ref())._subdir(counters.SLOTS_DIR)  # noqa: E731
         self._counters = counters.Counters(slots, persistent=session is not None)
@@ -400,7 +406,7 @@ class SharedCacheStore:
         try:
             if first:  # no other run uses the store: a new session, with the budget given
                 self._clean_own_temps()
-                self._locked(lambda: (self._free_aside()[0], 0))  # what the mappings of processes gone pinned
+                self._used.read(lambda: True)  # counted anew once per run: a crash or power loss can leave it stale
                 old = budget.recorded(at) if _exists(at, budget.BUDGET_FILE) else None
                 if old is None:
                     max_bytes = env_max if max_bytes is None else max_bytes
@@ -512,7 +518,7 @@ class SharedCacheStore:
         deadline, delay = time.monotonic() + self._claim_timeout, 0.001
         while True:
             try:
-                held = locks.try_hold(name, os.O_CREAT, at=self._dir)
+                held = locks.try_hold(name, os.O_CREAT, at=self._claims_at())
             except OSError as err:
                 self._fault("cannot create claim files", err)
                 return _MISS
@@ -521,7 +527,7 @@ class SharedCacheStore:
                 if item is _MISS:
                     self._claims.lease = (key, name, held)
                     return _MISS
-                locks.unlink_quiet(name, self._dir)
+                locks.unlink_quiet(name, self._claims_at())
                 held.close()
             if item is not _MISS:
                 return item
@@ -537,7 +543,7 @@ class SharedCacheStore:
         lease = getattr(self._claims, "lease", None)
         if lease is not None and (key is None or lease[0] == key):
             self._claims.lease = None
-            locks.unlink_quiet(lease[1], self._dir)  # while held: a waiter that opened it sees it removed
+            locks.unlink_quiet(lease[1], self._claims_at())  # while held: a waiter that opened it sees it removed
             lease[2].close()
 
     def __getitem__(self, key: str) -> Any:
@@ -669,6 +675,7 @@ class SharedCacheStore:
         room.reserved, room.active, room.held, room.uncounted = 0, True, None, False
         before = self._size(name)  # another process's copy of the item, if any: this write replaces it
         room.new = 0 if before else 1  # a new item, counted with its bytes before it is published
+        room.replaces, room.freed = before, before  # the bytes that replacing it frees (0: pinned, counted aside)
         try:
             stored = self._write(key, item, name)
         finally:
@@ -678,7 +685,7 @@ class SharedCacheStore:
                 _unlink(at, held_name)
                 held.close()
         if stored:  # its bytes and itself were counted when they were reserved, unless the count failed then
-            self._count((self._size(name) if room.uncounted else 0) - before, room.new if room.uncounted else 0)
+            self._count((self._size(name) if room.uncounted else 0) - room.freed, room.new if room.uncounted else 0)
         else:
             self._count(-room.reserved, -room.new if room.reserved else 0)
             counters.count(self._counters, counters.REFUSED)
@@ -713,7 +720,11 @@ class SharedCacheStore:
                     self._warn_once("not storing items past the budget", why, _MORE)
                     locks.unlink_quiet(tmp, self._tmp)
                     return False
+                # a copy that a reader maps stays counted, in .aside, once replaced: else memory passes max_bytes
+                kept = _flock.keep_aside(self._dir, name, lambda: self._subdir(_ASIDE)) if self._room.replaces else None
                 os.replace(tmp, name, src_dir_fd=self._tmp.fd, dst_dir_fd=self._dir.fd)
+                if kept is not None:
+                    self._room.freed = _flock.release_aside(kept)
             finally:
                 held.close()
         except OSError as err:
@@ -723,7 +734,7 @@ class SharedCacheStore:
         except BaseException:
             locks.unlink_quiet(tmp, self._tmp)
             raise
-        locks.clean_dead_temps(self._tmp)
+        locks.clean_dead_files(self._tmp)
         return True
 
     def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
@@ -786,7 +797,7 @@ class SharedCacheStore:
         deadline, delay = time.monotonic() + self._claim_timeout, 0.001
         while True:
             try:
-                held = locks.try_hold(name, os.O_CREAT, at=self._dir)
+                held = locks.try_hold(name, os.O_CREAT, at=self._claims_at())
             except OSError as err:
                 self._fault("cannot create claim files", err)
                 return compute()
@@ -800,7 +811,7 @@ class SharedCacheStore:
                     return item
                 finally:
                     mine.discard(name)
-                    locks.unlink_quiet(name, self._dir)  # while held: a waiter that opened it sees it removed
+                    locks.unlink_quiet(name, self._claims_at())  # while held: a waiter that opened it sees it removed
                     held.close()
             item = find()
             if item is not _MISS or not wait:
@@ -1079,6 +1090,25 @@ class SharedCacheStore:
             raise OSError(errno.EEXIST, "a write of that name is under way", name)
         self._room.held = (at, name, held)
 
+    def _claims_at(self) -> Any:
+        """The directory of the claims, each an exclusive lock held while an item is computed (opened once)."""
+        if self._claims_dir is None:
+            self._claims_dir = self._subdir(_CLAIMS)
+        return self._claims_dir
+
+    def _clean_dead(self) -> None:
+        """
+        Remove what dead processes left: their temporary files and claims, unlocked since the kernel released their
+        locks, and count out what their writes reserved. At every open: it lists two small directories.
+        """
+        try:
+            locks.clean_dead_files(self._tmp)
+            locks.clean_dead_files(self._claims_at())
+            if self._dead_writes():
+                self._used.read(lambda: True)  # a recount, which removes their files in .writes
+        except OSError:  # a store that cannot be cleaned now is cleaned by the next open
+            pass
+
     def _writes(self) -> Any:
         if self._writes_dir is None:  # opened once per store object: a write pays no check of it
             self._writes_dir = self._subdir(budget.WRITES_DIR)
@@ -1134,6 +1164,7 @@ class SharedCacheStore:
         (``<token>-<new item: 0 or 1>-<bytes>``); the files of dead writers are removed (they wrote nothing).
         """
         nbytes = items = 0
+        locks.clean_dead_files(self._tmp)  # what dead writers wrote: counted by no one, once removed
         try:
             at = self._writes()
             names = at.names()
@@ -1178,12 +1209,20 @@ class SharedCacheStore:
     def _retire(self, name: str) -> int | None:
         """Remove the item file ``name``: the bytes freed (0 while a mapping pins it), ``None`` if it was not there."""
         try:
-            return _flock.retire(self._directory, name, lambda: self._subdir(_ASIDE))
+            freed, lost = _flock.retire(self._directory, name, lambda: self._subdir(_ASIDE))
         except FileNotFoundError:
             return None
         except OSError as err:
             self._fault_books("cannot remove items", err)
             return None
+        if lost:
+            what = "cannot keep removed items that readers still map counted"
+            self._warn_books(
+                what,
+                f"{what} (the directory {_ASIDE} cannot take them: a full disk?). They are removed and never served "
+                f"again, but {lost / 2**20:.1f} MiB of one stay in use, uncounted, until its readers let go.",
+            )
+        return freed
 
     def discard(self, keys: Iterable[str]) -> None:
         names = [self._stem(key) + ".item" for key in keys]
