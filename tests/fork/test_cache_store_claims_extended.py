@@ -73,7 +73,8 @@ class TestClaimsExtended(unittest.TestCase):
 
     def test_claim_file_without_holder_is_free(self):
         store = self.new_store(claim_timeout=10)
-        open(os.path.join(store.path, "k.claim"), "w").close()  # e.g. left by a process killed while computing
+        os.makedirs(os.path.join(store.path, ".claims"), mode=0o700, exist_ok=True)
+        open(os.path.join(store.path, ".claims", "k.claim"), "w").close()  # e.g. left by a process killed meanwhile
         self.assertEqual(store.get_or_compute("k", lambda: "computed"), "computed")
         self.assertEqual((store.get("k"), self.claims(store)), ("computed", []))
 

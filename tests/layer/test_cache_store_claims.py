@@ -64,7 +64,8 @@ class TestClaims(unittest.TestCase):
         return store
 
     def claims(self, store: SharedCacheStore) -> list:
-        return sorted(n for n in os.listdir(store.path) if n.endswith(".claim"))
+        claims = os.path.join(store.path, ".claims")
+        return sorted(os.listdir(claims)) if os.path.isdir(claims) else []
 
     def test_threads_compute_once(self):
         store = self.new_store()
@@ -88,7 +89,8 @@ class TestClaims(unittest.TestCase):
 
         store = self.new_store(claim_timeout=0.2)
         copy = pickle.loads(pickle.dumps(store))  # keeps the claim_timeout
-        fd = os.open(os.path.join(store.path, "k.claim"), os.O_CREAT | os.O_RDWR, 0o600)
+        os.makedirs(os.path.join(store.path, ".claims"), mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(store.path, ".claims", "k.claim"), os.O_CREAT | os.O_RDWR, 0o600)
         self.addCleanup(os.close, fd)
         fcntl.flock(fd, fcntl.LOCK_EX)  # held by someone else (another descriptor) that never releases it
         start = time.monotonic()
