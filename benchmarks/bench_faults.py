@@ -24,6 +24,7 @@ Prints one JSON line per part; ``benchmarks/README.md`` quotes a run.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -89,6 +90,7 @@ def _wrong(key: str, item: Any) -> bool:
 
 
 def _writer(path: str, writer: int, keys: list[str], size: int, stop: Any, bad: Any, ops: Any) -> None:
+    faulthandler.register(signal.SIGUSR1)  # its stack, if it hangs
     store, rng = SharedCacheStore(path), random.Random(writer)
     while not stop.is_set():
         key, roll = rng.choice(keys), rng.random()
@@ -107,6 +109,7 @@ def _writer(path: str, writer: int, keys: list[str], size: int, stop: Any, bad: 
 
 
 def _reader(path: str, keys: list[str], stop: Any, bad: Any) -> None:
+    faulthandler.register(signal.SIGUSR1)
     store, rng = SharedCacheStore(path), random.Random(99)
     while not stop.is_set():
         held = [(k, store.get(k)) for k in rng.sample(keys, 8)]  # mapped while held
@@ -135,8 +138,15 @@ def redteam(root: str, seconds: float, size: int = MIB) -> dict[str, Any]:
         procs[victim].start()
         kills, w = kills + 1, w + 1
     stop.set()
+    hung = 0
     for p in [*procs, reader]:
         p.join(120)
+        if p.is_alive():  # a deadlock: its stack on stderr, then it goes
+            hung += 1
+            os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(1)
+            p.kill()
+            p.join(60)
     again = SharedCacheStore(store.path)  # a next user: it cleans what the killed left
     again.close()
     left = {d: os.listdir(os.path.join(store.path, d)) for d in (".tmp", ".claims")}
@@ -150,6 +160,7 @@ def redteam(root: str, seconds: float, size: int = MIB) -> dict[str, Any]:
         "operations": ops.value,
         "sigkills": kills,
         "wrong_items": bad.value,
+        "hung": hung,
         "left": {d: len(n) for d, n in left.items()},
         "counted_bytes": counted,
         "bytes_on_disk": on_disk + pinned,

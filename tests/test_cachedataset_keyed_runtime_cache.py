@@ -88,7 +88,9 @@ class TestCacheDatasetKeyedRuntimeCache(unittest.TestCase):
     def test_protocol(self):
         store = Store()
         self.assertIsInstance(store, KeyedCache)
-        ds = CacheDataset(DATA, Compose([Load(self.log), AddOne()]), cache_rate=0.5, runtime_cache=store)
+        ds = CacheDataset(
+            DATA, Compose([Load(self.log), AddOne()]), cache_rate=0.5, runtime_cache=store, hash_transform=json_hashing
+        )
         self.assertEqual(store.calls, [])  # the constructor asks nothing
         for _ in range(2):
             for i in DATA:
@@ -108,8 +110,12 @@ class TestCacheDatasetKeyedRuntimeCache(unittest.TestCase):
         ds = CacheDataset(DATA, Compose([Load(self.log), AddOne()]), runtime_cache=cache, hash_transform=json_hashing)
         self.assertEqual([d["src"] for d in ds], DATA)
         other = CacheDataset(
-            DATA[::-1] + [5, 8], Compose([Load(self.log), AddOne()]), runtime_cache=cache, hash_as_key=True
-        )  # other keys: no hash_transform
+            DATA[::-1] + [5, 8],
+            Compose([Load(self.log), AddOne()]),
+            runtime_cache=cache,
+            hash_as_key=True,
+            hash_transform=lambda t: b"other",
+        )  # other keys
         again = CacheDataset(
             DATA[2:], Compose([Load(self.log), AddOne()]), runtime_cache=cache, hash_transform=json_hashing
         )
@@ -133,19 +139,26 @@ class TestCacheDatasetKeyedRuntimeCache(unittest.TestCase):
     def test_cache_key(self):
         no_transforms = lambda t: b""  # noqa: E731
         cache = Store()
-        keys = {"hash_func": json_hashing, "hash_transform": no_transforms}
+        nothing = {"hash_transform": no_transforms}
+        keys = {"hash_func": json_hashing, **nothing}
         ds = CacheDataset(DATA, Compose([Load(self.log)]), cache_rate=0.5, runtime_cache=cache, **keys)
         self.assertEqual(ds.cache_key(2), json_hashing(2).decode())  # the input's hash, then the transforms' (none)
         self.assertEqual(ds.cache_key(-5), ds.cache_key(3))
         self.assertIsNone(ds.cache_key(4))  # not cached
         with self.assertRaises(IndexError):
             ds.cache_key(8)
-        dup = CacheDataset([5, 5, 6], Compose([Load(self.log)]), hash_as_key=True, cache_num=1, runtime_cache=Store())
+        dup = CacheDataset(
+            [5, 5, 6], Compose([Load(self.log)]), hash_as_key=True, cache_num=1, runtime_cache=cache, **keys
+        )
         self.assertEqual([dup.cache_key(i) is None for i in range(3)], [False, False, True])
         for hash_func, key in ((lambda x: bytes([x, 255]), "01ff"), (lambda x: f"in {x}", "in 1")):  # not ASCII: hex
-            ds = CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache, hash_func=hash_func)
-            ds.set_transform_hash(no_transforms)
+            ds = CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache, hash_func=hash_func, **nothing)
             self.assertEqual(ds.cache_key(1), key)
+
+    def test_needs_hash_transform(self):
+        """Datasets of other transforms may share a keyed cache: without hash_transform, their keys would collide."""
+        with self.assertRaisesRegex(ValueError, "a keyed runtime_cache .* give hash_transform"):
+            CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=Store())
 
     def test_dict_is_still_a_container_of_slots(self):
         """A ``dict``, and any class that does not opt in, is a container of slots by index, as before."""
@@ -166,7 +179,7 @@ class TestCacheDatasetKeyedRuntimeCache(unittest.TestCase):
         manager = Manager()
         self.addCleanup(manager.shutdown)
         cache = DictCache(manager.dict())
-        ds = CacheDataset(DATA, Compose([Load(self.log), AddOne()]), runtime_cache=cache)
+        ds = CacheDataset(DATA, Compose([Load(self.log), AddOne()]), runtime_cache=cache, hash_transform=json_hashing)
         loader = DataLoader(ds, batch_size=None, num_workers=2, timeout=60)
         for _ in range(3):
             self.assertEqual([d["src"] for d in loader], DATA)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from monai.data import CacheDataset, DistributedSampler, KeyedCache
+from monai.data.utils import json_hashing
 from monai.transforms import ToTensor
 from tests.test_utils import DistCall, DistTestCase
 
@@ -43,7 +44,12 @@ class TestCacheDatasetKeyedRuntimeCacheDist(DistTestCase):
         obj_list = [manager.dict() if manager else None]
         dist.broadcast_object_list(obj_list, src=0)
         data = list(range(10))
-        dataset = CacheDataset(data=data, transform=ToTensor(track_meta=False), runtime_cache=DictCache(obj_list[0]))
+        dataset = CacheDataset(
+            data=data,
+            transform=ToTensor(track_meta=False),
+            runtime_cache=DictCache(obj_list[0]),
+            hash_transform=json_hashing,
+        )
         sampler = DistributedSampler(dataset=dataset, shuffle=True)
         dataloader = DataLoader(
             dataset=dataset, sampler=sampler, batch_size=None, num_workers=2, persistent_workers=True, timeout=120

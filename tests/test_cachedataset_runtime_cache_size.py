@@ -95,11 +95,19 @@ class TestCacheDatasetRuntimeCacheSize(unittest.TestCase):
             ds = CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache)
             self.assertEqual([int(ds[i][0, 0]) for i in DATA], DATA)
 
-    @parameterized.expand([((None, None),), (range(3),), (b"xyz",), (7,)])
-    def test_cannot_hold_the_slots(self, cache):
-        length = len(cache) if hasattr(cache, "__len__") else "unknown"
-        with self.assertRaisesRegex(ValueError, rf"\(length {length}\) cannot hold cache_num=8 slots; accepted"):
+    @parameterized.expand([((None, None),), (range(3),), (b"xyz",)])
+    def test_too_short(self, cache):
+        with self.assertRaisesRegex(ValueError, rf"\(length {len(cache)}\) cannot hold cache_num=8 slots; accepted"):
             CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache)
+
+    def test_not_a_container(self):
+        with self.assertRaisesRegex(TypeError, "runtime_cache of type int is not a container; accepted"):
+            CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=7)
+
+    def test_filled_read_only_container_as_before(self):
+        """A tuple that holds every item is read as it is (it is never written)."""
+        ds = CacheDataset(DATA[:3], Compose([Load(self.log)]), runtime_cache=(10, 20, 30))
+        self.assertEqual([ds[i] for i in range(3)], [10, 20, 30])
 
     def test_failed_set_data_changes_nothing(self):
         class Fixed(list):

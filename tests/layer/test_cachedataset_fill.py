@@ -27,6 +27,7 @@ from parameterized import parameterized
 from monai.data import CacheDataset
 from monai.transforms import Compose, Lambda, RandomizableTransform, Transform
 from monai_sharedcache import SharedCacheStore, fill
+from monai_sharedcache.keys import transforms_key
 from tests.layer.layer_utils import DictCache, keyed_dataset
 from tests.test_utils import skip_if_quick
 
@@ -108,6 +109,8 @@ class TestFill(unittest.TestCase):
         data = list(range(N)) if data is None else data
         if mode == "store":
             return keyed_dataset(data, transform, cache, **kwargs)
+        if isinstance(cache, DictCache):  # a keyed cache needs the transforms' part of its keys
+            kwargs.setdefault("hash_transform", transforms_key)
         return CacheDataset(data, transform, runtime_cache=cache, **kwargs)
 
     def check_items(self, ds: CacheDataset, data=None) -> None:
@@ -133,7 +136,13 @@ class TestFill(unittest.TestCase):
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         for num_threads, expected in ((3, 3), (None, min(cpus, 8))):
             threads.clear()
-            ds = CacheDataset(list(range(8)), Compose([slow]), runtime_cache=DictCache({}), progress=False)
+            ds = CacheDataset(
+                list(range(8)),
+                Compose([slow]),
+                runtime_cache=DictCache({}),
+                hash_transform=transforms_key,
+                progress=False,
+            )
             fill(ds, num_threads=num_threads)
             self.assertEqual(len(threads), expected, num_threads)
         for bad in (0, -1, 1.5, True):
