@@ -122,7 +122,7 @@ def _keep_then_release(store: SharedCacheStore, kept, release, released) -> None
 
 def _used(path: str) -> tuple[int, int]:
     with open(os.path.join(path, budget.USED_FILE), "rb") as f:
-        return struct.unpack("<qqq", f.read())[:2]
+        return struct.unpack("<qqqd", f.read())[:2]
 
 
 @unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
