@@ -75,7 +75,13 @@ class TestSharedStore(unittest.TestCase):
     @needs_store
     def test_workers_share_one_store(self, ctx):
         store = SharedCacheStore(root=self.root)
-        ds = CacheDataset(list(range(8)), Compose([Load(self.log), AddOne()]), runtime_cache=store, copy_cache=True)
+        ds = CacheDataset(
+            list(range(8)),
+            Compose([Load(self.log), AddOne()]),
+            runtime_cache=store,
+            hash_transform=store.hash_transform,
+            copy_cache=True,
+        )
         self.check_epochs(ds, ctx)
         self.assertEqual(_computed(self.log), list(range(8)))  # once each, in the workers
         del ds, store
@@ -87,7 +93,13 @@ class TestSharedStore(unittest.TestCase):
         store = SharedCacheStore(root=self.root)
         self.addCleanup(store.close)
         store.put("other", 1)  # an item of another dataset
-        ds = CacheDataset(list(range(4)), Compose([Load(self.log), AddOne()]), runtime_cache=store, progress=False)
+        ds = CacheDataset(
+            list(range(4)),
+            Compose([Load(self.log), AddOne()]),
+            runtime_cache=store,
+            hash_transform=store.hash_transform,
+            progress=False,
+        )
         self.check_epochs(ds)
         refresh(ds)
         self.check_epochs(ds)
@@ -115,7 +127,12 @@ class TestSharedStore(unittest.TestCase):
         with mock.patch("os.statvfs", statvfs):
             store = SharedCacheStore(root=self.root)
             self.addCleanup(store.close)
-            ds = CacheDataset(list(range(8)), Compose([Load(self.log, MIB), AddOne()]), runtime_cache=store)
+            ds = CacheDataset(
+                list(range(8)),
+                Compose([Load(self.log, MIB), AddOne()]),
+                runtime_cache=store,
+                hash_transform=store.hash_transform,
+            )
             self.check_epochs(ds, FORK)
             free = statvfs(None).f_bavail * 4096
         stored = 16 - len(_computed(self.log))  # a stored item is computed once, a refused one in each epoch

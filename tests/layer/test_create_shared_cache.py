@@ -232,7 +232,9 @@ class TestCreateSharedCache(DistTestCase):
         self.assertEqual(store.node_cpus, expected)
         threads: set = set()
         slow = Lambda(lambda i: (threads.add(threading.get_ident()), time.sleep(0.05), {"i": i})[-1])
-        ds = CacheDataset(list(range(N)), Compose([slow]), runtime_cache=store, progress=False)
+        ds = CacheDataset(
+            list(range(N)), Compose([slow]), runtime_cache=store, hash_transform=store.hash_transform, progress=False
+        )
         dist.barrier()  # the ranks fill at once
         fill(ds)
         self.assertLessEqual(len(threads), expected, threads)  # with all of the rank's CPUs: 2 threads on 2 cores

@@ -90,7 +90,9 @@ class TestLayerStore(DistTestCase):
         """DataLoader workers receive the layer's store, read big items right, and the pool takes their mappings."""
         store = SharedCacheStore(root=self.root)
         self.addCleanup(store.close)
-        ds = CacheDataset(list(range(4)), Compose([Lambda(_big)]), runtime_cache=store)
+        ds = CacheDataset(
+            list(range(4)), Compose([Lambda(_big)]), runtime_cache=store, hash_transform=store.hash_transform
+        )
         for _ in range(2):  # the second epoch reads what the first stored
             loader = DataLoader(ds, batch_size=1, num_workers=2, multiprocessing_context="spawn")
             got = sorted((int(b["i"]), float(b["img"].mean()), tuple(b["img"].shape[1:])) for b in loader)
