@@ -45,6 +45,7 @@ _WARNED: set[str] = set()
 _MIN_AGE = 5.0  # seconds: younger unlocked files, and stores without a lock file, may be about to be locked
 _PATIENCE = 0.25  # seconds a leaver waits for the children it forked just before to close their copy of its lock
 _POLL_MAX = 0.05
+_TEMP_TRIES = 1000  # 1 ms apart: a cleaner holds a file it removes for microseconds
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _OPEN = os.O_RDWR | _NOFOLLOW
 
@@ -336,10 +337,16 @@ def cleanup_leftovers(root: str) -> list[str]:
 
 def open_temp(name: str, tmp: Dir) -> Held:
     """Create the temporary file ``name`` in ``tmp``, locked until it is published or removed."""
-    held = try_hold(name, os.O_CREAT | os.O_EXCL, at=tmp)
-    if held is None:
-        raise FileExistsError(errno.EEXIST, "a temporary file of that name is held", name)
-    return held
+    for _ in range(_TEMP_TRIES):
+        try:
+            held = try_hold(name, os.O_CREAT | os.O_EXCL, at=tmp)
+        except FileExistsError:
+            held = None
+        if held is not None:
+            return held
+        # a cleaner locked it between our create and our lock, as a dead writer's file: it removes it at once
+        time.sleep(0.001)
+    raise FileExistsError(errno.EEXIST, "a temporary file of that name is held", name)
 
 
 def clean_dead_files(d: Dir) -> None:

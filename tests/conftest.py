@@ -12,13 +12,16 @@
 The passes of ``./runtests.sh --unittests --mode spawn|nofcntl`` run only the tests whose behaviour can differ there;
 ``--mode series`` runs the package's tests and the series' own (not ``tests/fork/``) on MONAI with the series alone.
 The no-``fcntl`` pass runs every test but those below (``_EVERY_MODE``), which start no process and use no store, or
-pin the start method of each process they start. The spawn pass runs only the tests in ``_SPAWN``: those that start a
-process of the default start method that uses the cache (a DataLoader worker without ``multiprocessing_context``, a
-child of ``multiprocessing.get_context()``), in the test's process or in an interpreter that it starts; a ``Manager``
-server alone is not such a process (its lists behave alike however it starts). The list was taken by running every
-test with ``forkserver`` as the default start method and recording the class of each process started (a process of a
-pinned context is a ``ForkProcess`` or ``SpawnProcess``, one of the default context is not); add a new test here if
-it starts such a process. Not for MONAI's CI: this file is not exported.
+pin the start method of each process they start. The spawn pass runs only the tests in ``_SPAWN``: the series' tests
+whose DataLoader workers take the default start method (MONAI's CI runs them on macOS and Windows, where it is spawn),
+and one test for each way that a process of the default start method uses the store: a worker that reads it, one that
+writes past its cap, one that claims, a killed creator, a persistent store filled by workers, a small ``/dev/shm``.
+The list was taken by running every test with ``forkserver`` as the default start method and recording the class of
+each process started (a process of a pinned context is a ``ForkProcess`` or ``SpawnProcess``, one of the default
+context is not), then keeping one test per path: the others of those paths (mounts, PID namespaces, killed writers of
+a persistent store) differ from them only in what the default pass tests with fork. Add a test here if it starts such
+a process on a new path. The series pass leaves the package's tests that build no dataset (``_TREE_INDEPENDENT``) to
+the default pass: they run the same code on either tree. Not for MONAI's CI: this file is not exported.
 """
 
 from __future__ import annotations
@@ -40,15 +43,9 @@ _EVERY_MODE = (
 _SPAWN = (
     "tests/fork/test_store_extended.py::TestLifetime::test_killed_participant_does_not_keep_store",
     "tests/fork/test_store_extended.py::TestLifetime::test_live_participant_in_other_process_keeps_store",
-    "tests/fork/test_store_mounts.py",  # DataLoader workers in an interpreter that the test starts
-    "tests/fork/test_store_namespaces.py",
     "tests/layer/test_persistent_extended.py::TestPersistentRuns::test_reads_set_access_times_on_noatime_mounts",
     "tests/layer/test_persistent_extended.py::TestPersistentRuns::test_run_killed_mid_fill",
-    "tests/layer/test_persistent_extended.py::TestPersistentRuns::test_second_run_computes_nothing",
-    "tests/layer/test_persistent_extended.py::TestPersistentRuns::test_sessions_on_a_file_system_of_whole_seconds",
-    "tests/layer/test_persistent_extended.py::TestPersistentRuns::test_two_runs_at_once_in_separate_pid_namespaces",
-    "tests/layer/test_persistent_extended.py::TestPersistentRuns::test_writer_killed_mid_write",
-    "tests/fork/test_store_small_shm.py",
+    "tests/fork/test_store_small_shm.py::TestSmallDevShm::test_every_epoch_completes_with_correct_items",
     "tests/layer/test_cache_store_claims.py::TestClaims::test_killed_claimant_releases_claim_at_once",
     "tests/layer/test_cache_store_claims.py::TestClaims::test_processes_compute_each_key_once",
     "tests/layer/test_cache_store.py::TestLeftovers::test_killed_creator_removed_at_once",
@@ -63,7 +60,6 @@ _SPAWN = (
     "tests/fork/test_runtime_cache_extended.py::TestWorkerWarning::test_worker_warning_from_a_real_worker",
     "tests/layer/test_create_shared_cache.py::TestCreateSharedCache::test_without_a_process_group_a_local_store",
     "tests/layer/test_cachedataset_shared_store.py::TestSharedStore::test_refresh_drops_the_items_of_the_dataset_only",
-    "tests/fork/test_cachedataset_methods.py::TestSharedStoreRefresh",  # the same, with ds.refresh()
 )
 
 # the series' tests of what the fork's wheel does otherwise, on purpose: its containers' slots hold (key, item), so an
@@ -75,12 +71,24 @@ _FORK_DIFFERS = (
 )
 
 
+# the package's tests that build no dataset: they run the same code on either tree, so the series pass leaves them to
+# the default one
+_TREE_INDEPENDENT = (
+    "tests/layer/test_cache_store.py",
+    "tests/layer/test_cache_store_claims.py",
+    "tests/layer/test_fast_path.py",
+    "tests/layer/test_max_bytes.py",
+    "tests/layer/test_memory_limit.py",
+    "tests/layer/test_store_faults.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mode = os.environ.get("MONAI_SHAREDCACHE_TEST_MODE", "")
     keep, drop = [], []
     for item in items:  # node ids are relative to the repository (runtests.sh runs pytest there)
         if mode == "series":  # MONAI with the series alone: the package's tests and the series', not the fork's
-            runs = not item.nodeid.startswith("tests/fork/")
+            runs = not item.nodeid.startswith(("tests/fork/",) + _TREE_INDEPENDENT)
         elif item.nodeid.startswith(_FORK_DIFFERS):
             runs = False
         elif mode not in ("spawn", "nofcntl"):

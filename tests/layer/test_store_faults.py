@@ -165,9 +165,12 @@ def _open_at_once(path: str, max_bytes: int, barrier, results) -> None:
             warnings.simplefilter("ignore")  # the budget of another run: the documented warning
             store = SharedCacheStore(path, persistent=True, max_bytes=max_bytes)
         ok = store.put(f"k{max_bytes}", max_bytes)
+        # one run while any of them uses the store: one that opened after all others closed would start a new run
+        barrier.wait(TIMEOUT)
         results.put((store.max_bytes, ok))
         store.close()
     except BaseException as err:
+        barrier.abort()  # the others stop waiting for this one
         results.put(f"{type(err).__name__}: {err}")
 
 
