@@ -35,7 +35,7 @@ class TestCacheDatasetSetDataRuntimeCacheDist(DistTestCase):
             dataset.set_data(data)
             dist.barrier()  # every rank emptied the slots: none empties an item that another one stored
             sampler = DistributedSampler(dataset=dataset, shuffle=False)
-            dataloader = DataLoader(dataset=dataset, sampler=sampler, batch_size=None, num_workers=2, timeout=120)
+            dataloader = DataLoader(dataset=dataset, sampler=sampler, batch_size=None, num_workers=1, timeout=120)
             self.assertEqual([int(d) for d in dataloader], [data[i] for i in sampler])
         dist.barrier()
         self.assertEqual(sorted(int(dataset._cache[i]) for i in range(3)), [3, 4, 5])  # every rank's items

@@ -28,6 +28,8 @@ from tests.layer import test_cache_store as core
 
 needs_store = unittest.skipUnless(SharedCacheStore.supported, "SharedCacheStore needs fcntl, missing on this platform")
 TIMEOUT = 120
+# fork where it can: spawned writers import torch and MONAI each, for 30 s of 8 processes on 2 cores
+CTX = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 ITEM = 8 * 40_000  # bytes of the float64 arrays below, without the file's header
 
 
@@ -133,7 +135,7 @@ class TestMaxBytes(unittest.TestCase):
 
     def test_cap_holds_for_all_writers(self):
         store = self.new_store(max_bytes=8 * 2**20, reserve=0)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = CTX
         start = ctx.Barrier(4)
         procs = [ctx.Process(target=_writer, args=(store.path, start, f"w{i}")) for i in range(4)]
         self.start(*procs)
@@ -147,7 +149,7 @@ class TestMaxBytes(unittest.TestCase):
     def test_one_key_counted_once(self):
         """8 processes write one key at once (as after a claim timeout): one item, and its bytes once, are counted."""
         store = self.new_store(max_bytes=100 * ITEM, reserve=0)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = CTX
         start = ctx.Barrier(8)
         procs = [ctx.Process(target=_same_key_writer, args=(store.path, start)) for _ in range(8)]
         self.start(*procs)
@@ -159,7 +161,7 @@ class TestMaxBytes(unittest.TestCase):
         """A key removed while another process writes it anew: the count stays what the store holds."""
         store = self.new_store(max_bytes=100 * ITEM, reserve=0)
         self.assertTrue(store.put("same", np.ones(40_000)))
-        ctx = multiprocessing.get_context("spawn")
+        ctx = CTX
         writing = ctx.Event()
         proc = ctx.Process(target=_slow_replacing_writer, args=(store.path, writing))
         self.start(proc)
@@ -194,7 +196,7 @@ class TestMaxBytes(unittest.TestCase):
         self.assertTrue(store.put("b", np.ones(40_000)))
         self.assertIn("max_bytes", self.refuse(store, np.ones(40_000)))
         store.discard(["a"])
-        proc = multiprocessing.get_context("spawn").Process(target=_killed_writer, args=(store.path,))
+        proc = CTX.Process(target=_killed_writer, args=(store.path,))
         self.start(proc)
         proc.join(TIMEOUT)
         self.assertEqual(proc.exitcode, 9)  # died while writing: its bytes stay counted
