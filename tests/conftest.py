@@ -12,7 +12,8 @@
 The passes of ``./runtests.sh --unittests --mode spawn|nofcntl`` run only the tests whose behaviour can differ there;
 ``--mode series`` runs the package's tests and the series' own (not ``tests/fork/``) on MONAI with the series alone.
 The no-``fcntl`` pass runs every test but those below (``_EVERY_MODE``), which start no process and use no store, or
-pin the start method of each process they start. The spawn pass runs only the tests in ``_SPAWN``: the series' tests
+pin the start method of each process they start, and but the series' tests of other modes than ``"process"``: they
+use no store, so they run there as in the default pass (and in the spawn pass, those of workers). The spawn pass runs only the tests in ``_SPAWN``: the series' tests
 whose DataLoader workers take the default start method (MONAI's CI runs them on macOS and Windows, where it is spawn),
 and one test for each way that a process of the default start method uses the store: a worker that reads it, one that
 writes past its cap, one that claims, a killed creator, a persistent store filled by workers, a small ``/dev/shm``.
@@ -93,8 +94,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             runs = False
         elif mode not in ("spawn", "nofcntl"):
             runs = True
-        else:
-            runs = item.nodeid.startswith(_SPAWN) if mode == "spawn" else not item.nodeid.startswith(_EVERY_MODE)
+        elif mode == "spawn":
+            runs = item.nodeid.startswith(_SPAWN)
+        else:  # the series' tests (tests/test_*.py) use a store only as the fork's runtime_cache="process"
+            runs = not item.nodeid.startswith(_EVERY_MODE) and (not item.nodeid.startswith("tests/test_") or "process" in item.nodeid)
         (keep if runs else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

@@ -23,12 +23,17 @@ import unittest
 import warnings
 from unittest import mock
 
-from tests.layer.test_cache_store_claims import TestClaims, needs_store
+from tests.layer import test_cache_store_claims as layer_tests  # not its test class, which pytest would run here again
+from tests.layer.test_cache_store_claims import needs_store
 
 
 @needs_store
 class TestClaimsExtended(unittest.TestCase):
-    setUp, new_store, claims = TestClaims.setUp, TestClaims.new_store, TestClaims.claims
+    setUp, new_store, claims = (
+        layer_tests.TestClaims.setUp,
+        layer_tests.TestClaims.new_store,
+        layer_tests.TestClaims.claims,
+    )
 
     def test_no_room_no_claims(self):
         """Past the reserve, an item is not stored: every thread that misses it computes it at once, none waits."""

@@ -27,7 +27,8 @@ from parameterized import parameterized
 from monai.data import CacheDataset
 from monai.transforms import Compose
 from monai_sharedcache import SharedCacheStore
-from tests.layer.test_cachedataset_fill import AddOne, Load, N, TestFill, computations, needs_store
+from tests.layer import test_cachedataset_fill as layer_tests  # not its test class, which pytest would run here again
+from tests.layer.test_cachedataset_fill import AddOne, Load, N, computations, needs_store
 from tests.test_utils import SkipIfNoModule
 
 
@@ -41,10 +42,10 @@ class _TwoItems(SharedCacheStore):
 
 class TestFillExtended(unittest.TestCase):
     setUp, runtime_cache, dataset, check_items = (
-        TestFill.setUp,
-        TestFill.runtime_cache,
-        TestFill.dataset,
-        TestFill.check_items,
+        layer_tests.TestFill.setUp,
+        layer_tests.TestFill.runtime_cache,
+        layer_tests.TestFill.dataset,
+        layer_tests.TestFill.check_items,
     )
 
     @SkipIfNoModule("tqdm")

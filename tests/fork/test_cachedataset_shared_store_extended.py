@@ -27,7 +27,8 @@ from monai.data import CacheDataset, MetaTensor
 from monai.transforms import Compose
 from monai_sharedcache import SharedCacheStore
 from monai_sharedcache import _format as fmt
-from tests.layer.test_cachedataset_shared_store import TIMEOUT, AddOne, Load, TestSharedStore, needs_store
+from tests.layer import test_cachedataset_shared_store as layer_tests  # not its test class, which pytest would run here again
+from tests.layer.test_cachedataset_shared_store import TIMEOUT, AddOne, Load, needs_store
 
 
 def _killed_run(root: str, log: str) -> None:
@@ -39,7 +40,7 @@ def _killed_run(root: str, log: str) -> None:
 
 
 class TestSharedStoreExtended(unittest.TestCase):
-    setUp, check_epochs = TestSharedStore.setUp, TestSharedStore.check_epochs
+    setUp, check_epochs = layer_tests.TestSharedStore.setUp, layer_tests.TestSharedStore.check_epochs
 
     @needs_store
     def test_a_subclass_keeps_its_own_files_in_a_checked_directory(self):

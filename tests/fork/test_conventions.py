@@ -92,6 +92,14 @@ class TestConventions(unittest.TestCase):
                         ok = top in allowed or mod == "tests.test_utils"
                         self.assertTrue(ok, f"{name} imports {mod}, which MONAI's tests/data cannot")
 
+    def test_no_test_class_is_imported_into_another_test_module(self):
+        """pytest runs a ``Test*`` class that a test module imports as that module's own: every test of it twice."""
+        for path in sorted((ROOT / "tests").rglob("test_*.py")):
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1].startswith("test_"):
+                    names = [a.asname or a.name for a in node.names if (a.asname or a.name).startswith("Test")]
+                    self.assertEqual(names, [], f"{path.relative_to(ROOT)} imports {names}: import the module")
+
     def test_headers_and_private_helpers(self):
         overlay = [f for f in build._overlay_files(ROOT) if f.suffix == ".py"]
         public = sorted(f.name for f in overlay if not f.name.startswith("_"))

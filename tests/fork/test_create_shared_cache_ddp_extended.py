@@ -30,12 +30,13 @@ from monai.data import create_shared_cache
 from monai_sharedcache import SharedCacheStore
 from monai_sharedcache import distributed as shared_cache
 from monai_sharedcache.distributed import share_of_cpus
-from tests.layer.test_create_shared_cache import TIMEOUT, N, TestCreateSharedCache, computed, needs_store
+from tests.layer import test_create_shared_cache as layer_tests  # not its test class, which pytest would run here again
+from tests.layer.test_create_shared_cache import TIMEOUT, N, computed, needs_store
 from tests.test_utils import DistCall, DistTestCase, skip_if_quick
 
 
 class TestCreateSharedCacheExtended(DistTestCase):
-    setUp, dataset = TestCreateSharedCache.setUp, TestCreateSharedCache.dataset
+    setUp, dataset = layer_tests.TestCreateSharedCache.setUp, layer_tests.TestCreateSharedCache.dataset
 
     @needs_store
     def test_root_and_reserve_reach_the_store(self) -> None:
