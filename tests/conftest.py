@@ -10,19 +10,20 @@
 # limitations under the License.
 """
 The passes of ``./runtests.sh --unittests --mode spawn|nofcntl`` run only the tests whose behaviour can differ there;
-``--mode series`` runs the package's tests and the series' own (not ``tests/fork/``) on MONAI with the series alone.
-The no-``fcntl`` pass runs every test but those below (``_EVERY_MODE``), which start no process and use no store, or
-pin the start method of each process they start, and but the series' tests of other modes than ``"process"``: they
-use no store, so they run there as in the default pass (and in the spawn pass, those of workers). The spawn pass runs only the tests in ``_SPAWN``: the series' tests
-whose DataLoader workers take the default start method (MONAI's CI runs them on macOS and Windows, where it is spawn),
-and one test for each way that a process of the default start method uses the store: a worker that reads it, one that
-writes past its cap, one that claims, a killed creator, a persistent store filled by workers, a small ``/dev/shm``.
-The list was taken by running every test with ``forkserver`` as the default start method and recording the class of
-each process started (a process of a pinned context is a ``ForkProcess`` or ``SpawnProcess``, one of the default
-context is not), then keeping one test per path: the others of those paths (mounts, PID namespaces, killed writers of
-a persistent store) differ from them only in what the default pass tests with fork. Add a test here if it starts such
-a process on a new path. The series pass leaves the package's tests that build no dataset (``_TREE_INDEPENDENT``) to
-the default pass: they run the same code on either tree. Not for MONAI's CI: this file is not exported.
+``--mode series`` runs the package's tests and the series' own (not ``tests/fork/``) on MONAI with the series alone. The
+no-``fcntl`` pass runs every test but those below (``_EVERY_MODE``), which start no process and use no store, or pin the
+start method of each process they start, and but the series' tests of other modes than ``"process"``: they use no store,
+so they run there as in the default pass (and, those of workers, in the spawn pass). The spawn pass runs only the tests
+in ``_SPAWN``: the series' tests whose DataLoader workers take the default start method (MONAI's CI runs them on macOS
+and Windows, where it is spawn), and one test for each way that a process of the default start method uses the store: a
+worker that reads it, one that writes past its cap, one that claims, a killed creator, a persistent store filled by
+workers, a small ``/dev/shm``. The list was taken by running every test with ``forkserver`` as the default start method
+and recording the class of each process started (a process of a pinned context is a ``ForkProcess`` or ``SpawnProcess``,
+one of the default context is not), then keeping one test per path: the others of those paths (mounts, PID namespaces,
+killed writers of a persistent store) differ from them only in what the default pass tests with fork. Add a test here if
+it starts such a process on a new path. The series pass leaves the package's tests that build no dataset
+(``_TREE_INDEPENDENT``) to the default pass: they run the same code on either tree. Not for MONAI's CI: this file is not
+exported.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif mode == "spawn":
             runs = item.nodeid.startswith(_SPAWN)
         else:  # the series' tests (tests/test_*.py) use a store only as the fork's runtime_cache="process"
-            runs = not item.nodeid.startswith(_EVERY_MODE) and (not item.nodeid.startswith("tests/test_") or "process" in item.nodeid)
+            series = item.nodeid.startswith("tests/test_")
+            runs = not item.nodeid.startswith(_EVERY_MODE) and (not series or "process" in item.nodeid)
         (keep if runs else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
