@@ -65,9 +65,11 @@ _SPAWN = (
 )
 
 # the series' tests of what the fork's wheel does otherwise, on purpose: its containers' slots hold (key, item), so an
-# item that the user put in a slot is never served (tests/fork/test_runtime_cache_extended.py tests that instead)
+# item that the user put in a slot is never served, and a read-only container is refused at once, with a TypeError
+# (tests/fork/test_runtime_cache_extended.py tests that instead)
 _FORK_DIFFERS = (
     "tests/test_cachedataset_runtime_cache_size.py::TestCacheDatasetRuntimeCacheSize::test_filled_read_only",
+    "tests/test_cachedataset_set_data_runtime_cache.py::TestCacheDatasetSetDataRuntimeCache::test_read_only_container",
     # and a keyed cache without hash_transform gets the package's exact keys instead of a ValueError
     "tests/test_cachedataset_keyed_runtime_cache.py::TestCacheDatasetKeyedRuntimeCache::test_needs_hash_transform",
 )

@@ -43,6 +43,22 @@ def computed(log: str) -> list[int]:
         return sorted(int(x) for x in f.read().split())
 
 
+class FixedSlots:
+    """A container of a fixed number of slots, with a length and item access, and neither a sequence nor a mapping."""
+
+    def __init__(self, n):
+        self.slots = [None] * n
+
+    def __len__(self):
+        return len(self.slots)
+
+    def __getitem__(self, i):
+        return self.slots[i]
+
+    def __setitem__(self, i, v):
+        self.slots[i] = v
+
+
 class TestCacheDatasetRuntimeCacheSize(unittest.TestCase):
     @property
     def manager(self):
@@ -95,7 +111,7 @@ class TestCacheDatasetRuntimeCacheSize(unittest.TestCase):
             ds = CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache)
             self.assertEqual([int(ds[i][0, 0]) for i in DATA], DATA)
 
-    @parameterized.expand([((None, None),), (range(3),), (b"xyz",)])
+    @parameterized.expand([((None, None),), (range(3),), (b"xyz",), (FixedSlots(3),)])
     def test_too_short(self, cache):
         with self.assertRaisesRegex(ValueError, rf"\(length {len(cache)}\) cannot hold cache_num=8 slots; accepted"):
             CacheDataset(DATA, Compose([Load(self.log)]), runtime_cache=cache)
@@ -123,21 +139,7 @@ class TestCacheDatasetRuntimeCacheSize(unittest.TestCase):
 
     def test_long_enough_fixed_size(self):
         """A container of ``cache_num`` slots or more is used as it is, whatever it can do besides indexing."""
-
-        class Fixed:
-            def __init__(self, n):
-                self.slots = [None] * n
-
-            def __len__(self):
-                return len(self.slots)
-
-            def __getitem__(self, i):
-                return self.slots[i]
-
-            def __setitem__(self, i, v):
-                self.slots[i] = v
-
-        cache = Fixed(8)
+        cache = FixedSlots(8)
         ds = CacheDataset(DATA, Compose([Load(self.log)]), cache_rate=0.5, runtime_cache=cache)
         for _ in range(2):
             self.assertEqual([int(ds[i][0, 0]) for i in DATA], DATA)

@@ -77,9 +77,11 @@ class TestCacheDatasetSetDataRuntimeCache(unittest.TestCase):
 
     @parameterized.expand([("list",), ("proxy",)])
     def test_set_data_empties_the_slots(self, kind):
-        manager = Manager()
-        self.addCleanup(manager.shutdown)
-        cache = manager.list() if kind == "proxy" else []
+        cache: list = []
+        if kind == "proxy":
+            manager = Manager()
+            self.addCleanup(manager.shutdown)
+            cache = manager.list()  # type: ignore[assignment]
         ds = CacheDataset(DATA, self.transform, runtime_cache=cache)
         for i in DATA:
             self.check(ds[i], i)
@@ -99,6 +101,14 @@ class TestCacheDatasetSetDataRuntimeCache(unittest.TestCase):
         for i in DATA:
             self.check(second[i], i)
         self.assertEqual(self.computed(), DATA)
+
+    def test_read_only_container_is_refused_and_kept(self):
+        """``set_data`` cannot empty the slots of a tuple: a clear error, and the dataset as it was."""
+        ds = CacheDataset(DATA[:3], Compose([Load(self.log)]), runtime_cache=(10, 20, 30))
+        with self.assertRaisesRegex(TypeError, "set_data cannot empty runtime_cache of type tuple"):
+            ds.set_data([7, 8, 9])
+        self.assertEqual((ds.data, ds.cache_num), (DATA[:3], 3))
+        self.assertEqual([ds[i] for i in range(3)], [10, 20, 30])
 
     def test_own_containers(self):
         """The containers that the dataset makes itself are new at every ``set_data``, as before."""

@@ -169,6 +169,16 @@ class TestSizing(ManagerTestCase):
         with self.assertRaisesRegex(ValueError, r"length 3.*cache_num=10"):
             CacheDataset(DATA, make_transform(), runtime_cache=Fixed(), progress=False)
 
+    def test_read_only_refused(self):
+        """The fork writes (key, item) in the slots: a tuple, long enough or not, is refused at once, clearly."""
+        with self.assertRaisesRegex(TypeError, "runtime_cache of type tuple has no item assignment"):
+            CacheDataset(DATA[:3], make_transform(), runtime_cache=(10, 20, 30), progress=False)
+        ds = CacheDataset(DATA[:3], make_transform(), runtime_cache=[], progress=False)
+        ds.runtime_cache = (10, 20, 30)
+        with self.assertRaisesRegex(TypeError, "has no item assignment"):
+            ds.set_data(DATA[3:6])
+        self.assertEqual((ds.data, ds.cache_num), (DATA[:3], 3))  # as it was
+
     @parameterized.expand([("same_length", (0.5,) * 6), ("different_lengths", (0.3, 0.5, 1.0, 0.5, 0.3, 1.0))])
     def test_concurrent_resize(self, _, rates):
         """
