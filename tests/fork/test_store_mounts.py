@@ -105,7 +105,9 @@ if __name__ == "__main__":  # spawned DataLoader workers import this file
     fillers = fill_inodes(0)
     case("full_at_open_persistent", lambda: SharedCacheStore(persistent, persistent=True), fillers)
     store = SharedCacheStore(root=MNT, reserve=0)
-    fillers = fill_inodes(14)  # a few items fit (with the counts' own files), then the workers' writes meet ENOSPC
+    # a few items fit, then the workers' writes meet ENOSPC: the store's own files take about 10 inodes when they are
+    # made (7 directories, counters, notes), and each item 2 at most (its file, its stripe's lock file)
+    fillers = fill_inodes(20)
     case("full_mid_run", lambda: store, fillers)
     case("persistent_made", lambda: SharedCacheStore(persistent, persistent=True, reserve=0))
     del store  # its descriptors: the kernel refuses to remount while a removed directory is open
