@@ -23,7 +23,8 @@ context is a ``ForkProcess`` or ``SpawnProcess``, one of the default context is 
 the others of those paths (mounts, PID namespaces, killed writers of a persistent store) differ from them only in what
 the default pass tests with fork. Add a test here if it starts such a process on a new path. The series pass leaves the
 package's tests that build no dataset (``_TREE_INDEPENDENT``) to the default pass: they run the same code on either
-tree. Not for MONAI's CI: this file is not exported.
+tree, and the default pass leaves the package's tests of keys across interpreter runs (``_ACROSS_RUNS``) to the series
+pass. Not for MONAI's CI: this file is not exported.
 """
 
 from __future__ import annotations
@@ -90,13 +91,22 @@ _TREE_INDEPENDENT = (
 )
 
 
+# the package's tests of keys across interpreter runs: their scripts pass the store's hash_func and hash_transform, so
+# the keys are the same on either tree; the series pass runs them, where the package meets upstream's CacheDataset
+_ACROSS_RUNS = (
+    "tests/layer/test_keys_extended.py::TestKeysAcrossRuns",
+    "tests/layer/test_digests.py::TestDigestsAcrossRuns",
+    "tests/layer/test_real_pipelines.py::TestAcrossRuns",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mode = os.environ.get("MONAI_SHAREDCACHE_TEST_MODE", "")
     keep, drop = [], []
     for item in items:  # node ids are relative to the repository (runtests.sh runs pytest there)
         if mode == "series":  # MONAI with the series alone: the package's tests and the series', not the fork's
             runs = not item.nodeid.startswith(("tests/fork/",) + _TREE_INDEPENDENT)
-        elif item.nodeid.startswith(_FORK_DIFFERS):
+        elif item.nodeid.startswith(_FORK_DIFFERS + _ACROSS_RUNS):
             runs = False
         elif mode not in ("spawn", "nofcntl"):
             runs = True
