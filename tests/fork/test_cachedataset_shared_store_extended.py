@@ -27,7 +27,7 @@ from monai.data import CacheDataset, MetaTensor
 from monai.transforms import Compose
 from monai_sharedcache import SharedCacheStore
 from monai_sharedcache import _format as fmt
-from tests.layer import test_cachedataset_shared_store as layer_tests  # not its test class, which pytest would run here again
+from tests.layer import test_cachedataset_shared_store as layer_tests  # not its class: pytest would run it here
 from tests.layer.test_cachedataset_shared_store import TIMEOUT, AddOne, Load, needs_store
 
 
