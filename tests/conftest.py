@@ -65,7 +65,6 @@ _SPAWN = (
     "tests/test_cachedataset_keyed_runtime_cache.py::TestCacheDatasetKeyedRuntimeCache::test_manager_dict_in_workers",
     "tests/fork/test_runtime_cache_extended.py::TestWorkerWarning::test_worker_warning_from_a_real_worker",
     "tests/layer/test_create_shared_cache.py::TestCreateSharedCache::test_without_a_process_group_a_local_store",
-    "tests/layer/test_cachedataset_shared_store.py::TestSharedStore::test_refresh_drops_the_items_of_the_dataset_only",
 )
 
 # the series' tests of what the fork's wheel does otherwise, on purpose: its containers' slots hold (key, item), so an
