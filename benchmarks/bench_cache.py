@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -166,6 +167,7 @@ def job_hits(cfg: dict) -> dict[str, Any]:
 
     from monai.data import CacheDataset
     from monai.utils import convert_to_tensor
+    from monai_sharedcache import SharedCacheStore
 
     tr, first = transforms(cfg["roi"])
     data = inputs(cfg, 1)
@@ -173,9 +175,9 @@ def job_hits(cfg: dict) -> dict[str, Any]:
     start = time.perf_counter()
     eager = CacheDataset(data, tr, copy_cache=False, progress=False, num_workers=1)
     ms["compute"] = (time.perf_counter() - start) * 1e3
-    store_ds = CacheDataset(data, tr, runtime_cache="process", progress=False)
+    store = SharedCacheStore(weights_only=False)  # what runtime_cache="process" makes in the fork's wheel
+    store_ds = CacheDataset(data, tr, runtime_cache=store, hash_transform=store.hash_transform, progress=False)
     hit(store_ds, 0)  # the miss: computed and stored
-    store = store_ds._runtime.store
     res["store_dir"] = store.path
 
     def floor(_: int) -> None:
@@ -247,7 +249,7 @@ def job_hits(cfg: dict) -> dict[str, Any]:
         )
         ms.update({f"format.{name}": t * 1e3 for name, t in fmt.items()})
         res["sizes_mib"] = {
-            "store": os.path.getsize(os.path.join(store.path, store._file("hit", ".item"))) / 2**20,
+            "store": max(e.stat().st_size for e in os.scandir(store.path) if e.name.endswith(".item")) / 2**20,
             "torch": os.path.getsize(os.path.join(tdir, "hit.pt")) / 2**20,
         }
     finally:
@@ -282,13 +284,15 @@ def job_listproxy(cfg: dict) -> dict[str, Any]:
 
 
 def _persist_open(cfg: dict) -> tuple[Any, Any, Any, list[dict], Any]:
-    from monai.data import CacheDataset, PersistentDataset, SharedCacheStore
+    from monai.data import CacheDataset, PersistentDataset
+    from monai_sharedcache import SharedCacheStore
 
     data = inputs(cfg, cfg["items"])
     tr, _ = transforms(cfg["roi"], count=True)
     pd = PersistentDataset(data, tr, cache_dir=os.path.join(cfg["persist_dir"], "persistentdataset"))
     store = SharedCacheStore(os.path.join(cfg["persist_dir"], "store"), persistent=True)
-    return pd, CacheDataset(data, tr, runtime_cache=store, progress=False), store, data, tr
+    ds = CacheDataset(data, tr, runtime_cache=store, hash_transform=store.hash_transform, progress=False)
+    return pd, ds, store, data, tr
 
 
 def job_persist_fill(cfg: dict) -> dict[str, Any]:
@@ -314,7 +318,8 @@ def job_persist_read(cfg: dict) -> dict[str, Any]:
     core's ``verified``), alternating on the same item file.
     """
     res: dict[str, Any] = {"info": job_setup()}
-    from monai.data import CacheDataset, SharedCacheStore, cache_store
+    from monai.data import CacheDataset
+    from monai_sharedcache import SharedCacheStore, checksum
 
     start = time.perf_counter()
     pd, ds, store, data, tr = _persist_open(cfg)
@@ -334,27 +339,25 @@ def job_persist_read(cfg: dict) -> dict[str, Any]:
         "persistentdataset": lambda r: hit(pd, r % n),
     }
     res["ms"] = {f"read.{k}": v * 1e3 for k, v in interleave(fns, cfg["reps"]).items()}
-    item = os.path.join(store.path, store._file(ds._runtime_keys[0], ".item"))
+    item = os.path.join(store.path, sorted(n for n in os.listdir(store.path) if n.endswith(".item"))[0])
     store.close()
     try:
         res["checksum_recorded"] = os.getxattr(item, "user.monai.sum").decode()
     except OSError as err:
         res["checksum_recorded"] = f"none ({err.strerror})"
 
-    class Unchecked(SharedCacheStore):
-        verified = cache_store.SharedCacheStore.verified  # the core's: no checksum
-
-    def first_read(cls: type) -> Callable[[int], None]:
+    def first_read(checked: bool) -> Callable[[int], None]:
         def run(_: int) -> None:
-            s = cls(os.path.join(cfg["persist_dir"], "store"), persistent=True)  # a new session: a first read
+            with mock.patch.dict(os.environ, {checksum.ENV: "1" if checked else "0"}):  # read when a store opens
+                s = SharedCacheStore(os.path.join(cfg["persist_dir"], "store"), persistent=True)  # a first read
             try:
-                hit(CacheDataset(data[:1], tr, runtime_cache=s, progress=False))
+                hit(CacheDataset(data[:1], tr, runtime_cache=s, hash_transform=s.hash_transform, progress=False))
             finally:
                 s.close()
 
         return run
 
-    checks = interleave({"checked": first_read(SharedCacheStore), "unchecked": first_read(Unchecked)}, cfg["reps"])
+    checks = interleave({"checked": first_read(True), "unchecked": first_read(False)}, cfg["reps"])
     res["ms"].update({f"first_read.{k}": v * 1e3 for k, v in checks.items()})
     res["computed_end"] = _COMPUTED[0]
     return res
